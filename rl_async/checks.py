@@ -1,0 +1,91 @@
+"""Cross-section rules that a single section cannot check, and the one `validate` entry point.
+
+`validate(cfg)` is what `rl-async plan|validate|run` and the running controller call: it
+returns the capacity plan, its warnings and every error, each naming key paths and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl_async.capacity import CapacityPlan, Warning_, plan_capacity
+from rl_async.config import RunConfig
+
+
+@dataclass
+class Report:
+    plan: CapacityPlan
+    warnings: list[Warning_] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict:
+        return {"runtime": {"async_capacity": self.plan.to_dict()},
+                "warnings": [w.to_dict() for w in self.warnings],
+                "errors": list(self.errors)}
+
+
+def refresh_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """SPEC §9: mixed-policy refresh is only sound under these conditions."""
+    if cfg.refresh.mode != "mixed_policy":
+        return []
+    pre = "refresh.mode = 'mixed_policy' requires "
+    rules = [
+        (cfg.cluster.gpus_per_engine == 1,
+         f"TP1 engines: cluster.gpus_per_engine = {cfg.cluster.gpus_per_engine}"),
+        (plan.optimizer_steps_per_collection == 1,
+         f"one optimizer update per collection: train.global_batch_size = {plan.global_batch_size}"
+         f" gives {plan.optimizer_steps_per_collection} updates per collection of "
+         f"{plan.collection_samples} samples"),
+        (cfg.train.use_tis, "TIS: train.use_tis = false"),
+        (not cfg.train.use_rollout_logprobs, "train.use_rollout_logprobs = false (it is true)"),
+        (cfg.rollout.temperature == 1.0, f"rollout.temperature = 1 (it is {cfg.rollout.temperature})"),
+        (cfg.rollout.top_p == 1.0, f"rollout.top_p = 1 (it is {cfg.rollout.top_p})"),
+        (cfg.rollout.top_k == -1, f"rollout.top_k = -1 (it is {cfg.rollout.top_k})"),
+        (cfg.sglang.speculative_algorithm is None,
+         f"no speculative decoding: sglang.speculative_algorithm = {cfg.sglang.speculative_algorithm!r}"),
+        (cfg.sglang.disaggregation_mode == "null",
+         f"no prefill/decode disaggregation: sglang.disaggregation_mode = "
+         f"{cfg.sglang.disaggregation_mode!r}"),
+        (not cfg.engine.fault_tolerance,
+         "no automatic engine fault tolerance: engine.fault_tolerance = true"),
+    ]
+    return [pre + msg for ok, msg in rules if not ok]
+
+
+def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    errors: list[str] = []
+    c = cfg.cluster
+    if cfg.engine.backend == "sglang":
+        if c.inference_gpus == 0:
+            errors.append("engine.backend = 'sglang' needs cluster.inference_gpus > 0; use "
+                          "engine.backend = 'embedded' on CPU")
+        if cfg.model.path is None:
+            errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
+                          "the SGLang server loads); model.hf_config is for the embedded engine")
+    if cfg.train.backend == "megatron" and c.trainer_gpus == 0:
+        errors.append("train.backend = 'megatron' needs cluster.trainer_gpus > 0")
+    if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:
+        errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} must equal cluster.trainer_workers "
+                      f"= {c.trainer_workers} (one trainer process per GPU)")
+    if plan.global_batch_size % c.trainer_workers:
+        errors.append(f"train.global_batch_size = {plan.global_batch_size} must be divisible by "
+                      f"cluster.trainer_workers = {c.trainer_workers}")
+    if cfg.fully_async and not cfg.train.use_tis:
+        errors.append("train.use_tis = false: TIS is always on in async runs (async.fully_async = "
+                      "true); it corrects policy lag and engine/trainer mismatch")
+    if cfg.task.name == "jsonl" and not cfg.task.path:
+        errors.append("task.name = 'jsonl' needs task.path (a JSONL file of prompts)")
+    if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
+        errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
+                      f"{cfg.judge.max_replicas}")
+    return errors
+
+
+def validate(cfg: RunConfig) -> Report:
+    plan, warnings, errors = plan_capacity(cfg)
+    errors = errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+    return Report(plan=plan, warnings=warnings, errors=errors)

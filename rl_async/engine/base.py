@@ -1,0 +1,125 @@
+"""The one engine interface (SPEC §10), shaped after SGLang's server API.
+
+Both backends (the embedded torch engine and the SGLang HTTP client) implement `Engine`, so the
+controller and the producer drive either without knowing which. Every method is async: an
+engine serves many concurrent `generate` calls from one event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed a request; the message names the request and the cause."""
+
+
+class InvalidRequestError(EngineError):
+    """Bad input (empty or over-long prompt, invalid sampling params). The engine keeps serving."""
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings. `validate()` raises `InvalidRequestError` naming the field."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise InvalidRequestError(
+                f"sampling_params.max_new_tokens = {self.max_new_tokens!r}: must be an int >= 1"
+            )
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise InvalidRequestError(
+                f"sampling_params.temperature = {self.temperature!r}: must be a finite number >= 0 "
+                f"(0 = greedy)"
+            )
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError(f"sampling_params.top_p = {self.top_p!r}: must be in (0, 1]")
+        if not isinstance(self.top_k, int) or (self.top_k != -1 and self.top_k < 1):
+            raise InvalidRequestError(
+                f"sampling_params.top_k = {self.top_k!r}: must be -1 (off) or an int >= 1"
+            )
+
+
+@dataclass
+class GenerateOutput:
+    """One finished request: the sampled tokens, their log-probs and their weight versions."""
+
+    request_id: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    token_versions: list[int]
+    # "stop" (a stop token was sampled), "length" (max_new_tokens), "abort".
+    finish_reason: str
+    prompt_len: int = 0
+    # Number of times this request's prefix was rebuilt under new weights (mixed_policy refresh).
+    refreshes: int = 0
+
+
+@dataclass
+class EngineLoad:
+    """Load statistics an engine reports to the router and the dashboard."""
+
+    running: int = 0
+    waiting: int = 0
+    tokens_in_use: int = 0
+    token_capacity: int = 0
+    max_running_requests: int = 0
+    weight_version: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """The engine interface. Implementations: `EmbeddedEngine`, `SGLangEngine`."""
+
+    @abc.abstractmethod
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerateOutput: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str | None = None) -> int:
+        """Abort one request (or all when None). Returns how many were aborted."""
+
+    @abc.abstractmethod
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop generating. `abort`: abort everything in flight. `retract`: running requests go
+        back to waiting; on resume their prefix is rebuilt under the then-current weights
+        without resampling. `in_place`: running requests freeze with their KV caches."""
+
+    @abc.abstractmethod
+    async def continue_generation(self) -> None: ...
+
+    @abc.abstractmethod
+    async def flush_cache(self) -> None: ...
+
+    @abc.abstractmethod
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: int | None = None) -> None: ...
+
+    @abc.abstractmethod
+    async def update_weights_from_tensor(self, named_tensors: list, weight_version: int | None = None
+                                         ) -> None: ...
+
+    @abc.abstractmethod
+    async def get_weight_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def load(self) -> EngineLoad: ...

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh machine: a virtual environment in .venv with everything the demo
+# and the tests need. torch is installed first and pinned: on CPU machines `torch==2.13.0`
+# is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
