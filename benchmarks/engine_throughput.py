@@ -1,0 +1,109 @@
+"""Embedded continuous-batching engine vs transformers' static-batch `generate`.
+
+Same tiny model, same prompts, same per-request response lengths drawn from a long-tailed
+(lognormal) distribution, measured in one run. `generate` cannot retire rows early, so a
+static batch runs until its longest request; both sides are credited ONLY with useful tokens
+(each request's own length), which is what an RL producer gets. Sampling at temperature 1;
+stop tokens are disabled on both sides so lengths are exactly the drawn ones.
+
+    python benchmarks/engine_throughput.py --json
+prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import torch
+
+from rl_async.engine.base import SamplingParams
+from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from rl_async.engine.models import tiny_llama_config
+
+
+def make_workload(n: int, seed: int, vocab: int, max_len: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    work = []
+    for _ in range(n):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))]
+        # lognormal(median ~24, heavy tail), clipped: most short, a few very long.
+        length = int(min(max_len, max(4, rng.lognormvariate(3.2, 0.9))))
+        work.append((prompt, length))
+    return work
+
+
+async def run_embedded(engine: EmbeddedEngine, work) -> tuple[float, int]:
+    start = time.perf_counter()
+    outs = await asyncio.gather(*(
+        engine.generate(prompt, SamplingParams(max_new_tokens=length, seed=i))
+        for i, (prompt, length) in enumerate(work)))
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(len(o.output_ids) for o in outs)
+
+
+def run_hf_generate(model, work, batch_size: int) -> tuple[float, int, int]:
+    useful, computed = 0, 0
+    start = time.perf_counter()
+    for i in range(0, len(work), batch_size):
+        batch = work[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (prompt, _) in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        longest = max(length for _, length in batch)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True,
+                                 temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=longest,
+                                 min_new_tokens=longest, eos_token_id=None, pad_token_id=0)
+        computed += (out.shape[1] - width) * len(batch)
+        useful += sum(length for _, length in batch)  # each row's own length only
+    return time.perf_counter() - start, useful, computed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=32, help="max_running = static batch size")
+    parser.add_argument("--max-len", type=int, default=384)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    hf_config = tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
+                                  max_position_embeddings=512)
+    engine = EmbeddedEngine(EmbeddedEngineConfig(
+        hf_config=hf_config, max_running_requests=args.batch, torch_threads=args.threads))
+    work = make_workload(args.requests, args.seed, hf_config["vocab_size"], args.max_len)
+    warm = work[: args.batch // 2]
+    asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
+    run_hf_generate(engine.model, [(p, 4) for p, _ in warm], args.batch)
+
+    emb_s, emb_tokens = asyncio.run(run_embedded(engine, work))
+    hf_s, hf_tokens, hf_computed = run_hf_generate(engine.model, work, args.batch)
+    result = {
+        "embedded_tokens_per_s": round(emb_tokens / emb_s, 1),
+        "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
+        "ratio": round((emb_tokens / emb_s) / (hf_tokens / hf_s), 3),
+        "useful_tokens": emb_tokens,
+        "hf_useful_tokens": hf_tokens,
+        "hf_computed_tokens": hf_computed,
+        "embedded_seconds": round(emb_s, 2),
+        "hf_seconds": round(hf_s, 2),
+        "requests": args.requests,
+        "max_running_requests": args.batch,
+        "engine_steps": engine.load().extra["steps"],
+    }
+    if emb_tokens != hf_tokens:
+        raise SystemExit(f"useful token counts differ: embedded {emb_tokens} vs hf {hf_tokens}")
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

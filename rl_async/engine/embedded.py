@@ -1,0 +1,417 @@
+"""The embedded engine: a continuous-batching torch engine for one HF causal LM (CPU or GPU).
+
+Loop (one background asyncio task, started by the first `generate`):
+
+    generate() -> waiting queue --admit (slots + token budget)--> prefill(prefix) -> sample
+        ^                                                                     |
+        |  retract / weight update / flush while frozen (KV dropped)          v
+        +---------------------------- running batch <--- decode step (all rows, one forward)
+                                             |
+                                             +--> finished rows leave at once; futures resolved
+
+Every step holds `_lock`; the forward runs in a worker thread so the event loop (which also
+serves Ray actor calls) stays responsive. Every API call that changes state (abort, pause,
+continue, flush, weight loads) takes the same lock, so it lands between two steps.
+
+Pause modes (SPEC §10):
+- `abort`: every running and waiting request finishes with finish_reason "abort" and the
+  tokens it has so far.
+- `retract`: running requests go back to the front of the waiting queue, KV dropped. On
+  re-admission their prefix (prompt + tokens so far) is prefilled under the weights current
+  at that moment and generation continues; old tokens keep their versions and log-probs and
+  `refreshes` is incremented.
+- `in_place`: running requests freeze with their KV and go on after `continue_generation`.
+While paused, new `generate` calls wait in the queue.
+
+Weights and KV (LESSONS miles#2782): KV computed under old weights is never reused after a
+weight load. Every `update_weights_*` call retracts the running requests (as `retract` does),
+so after an in_place pause + update the frozen requests are rebuilt under the new weights on
+continue. Load all buckets of one publication while paused: a request admitted between two
+buckets would run on half-updated weights.
+
+`flush_cache`: the engine keeps no prefix cache; the only KV it holds belongs to running
+requests. Flushing while paused (in_place) drops that KV (the requests are rebuilt on
+continue, counted as refreshes); flushing while not paused leaves live requests untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from rl_async import collective
+from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
+                                  GenerateOutput, InvalidRequestError, SamplingParams)
+from rl_async.engine.kv_batch import KVBatch, decode, prefill
+from rl_async.engine.models import build_causal_lm, resolve_dtype
+from rl_async.engine.sampling import draw_uniforms, sample_tokens
+from rl_async.engine.scheduler import Request, Scheduler
+from rl_async.weights import bucket_nbytes, unflatten_bucket, weights_checksum
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """Settings of one embedded engine. Model: exactly one of `hf_config` / `path`."""
+
+    hf_config: dict | None = None
+    path: str | None = None
+    init_seed: int = 0  # weights seed for hf_config; the trainer uses the same
+    device: str = "cpu"
+    dtype: str = "float32"
+    attn_implementation: str | None = None
+    max_running_requests: int = 32
+    max_total_tokens: int | None = None  # None -> max_running_requests * context_len
+    context_len: int | None = None  # None -> the model's max_position_embeddings
+    max_prompt_len: int | None = None  # None -> context_len - 1
+    torch_threads: int | None = None  # None -> leave torch's setting alone
+    sampling_seed: int = 0  # seeds requests whose SamplingParams.seed is None
+    forward_in_thread: bool = True  # False: forwards block the loop (benchmarks, debugging)
+
+    def __post_init__(self) -> None:
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError("EmbeddedEngineConfig: set exactly one of hf_config / path "
+                             f"(got hf_config={self.hf_config!r}, path={self.path!r})")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"engine.device = {self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+        resolve_dtype(self.dtype)
+        for key in ("max_running_requests", "max_total_tokens", "context_len",
+                    "max_prompt_len", "torch_threads"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"engine.{key} = {value!r}: must be an int >= 1")
+
+
+class EmbeddedEngine(Engine):
+    def __init__(self, config: EmbeddedEngineConfig):
+        self.config = config
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self.device = torch.device(config.device)
+        self.model = build_causal_lm(config.hf_config, config.path, config.init_seed,
+                                     config.dtype, config.device, config.attn_implementation)
+        self.model.requires_grad_(False)
+        model_cfg = self.model.config
+        self.vocab_size = int(model_cfg.vocab_size)
+        self.context_len = config.context_len or int(model_cfg.max_position_embeddings)
+        self.max_prompt_len = config.max_prompt_len or self.context_len - 1
+        total = config.max_total_tokens or config.max_running_requests * self.context_len
+        self.scheduler = Scheduler(config.max_running_requests, total)
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._batch: KVBatch | None = None
+        self._version = 0
+        self._paused = False
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._requests: dict[str, Request] = {}
+        self._seeds = itertools.count(config.sampling_seed * 1_000_003)
+        self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
+
+    # ---------------------------------------------------------------- requests
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerateOutput:
+        self._validate(input_ids, sampling_params, request_id)
+        self._ensure_loop()
+        rid = request_id or uuid.uuid4().hex
+        generator = torch.Generator()
+        seed = sampling_params.seed if sampling_params.seed is not None else next(self._seeds)
+        generator.manual_seed(seed)
+        request = Request(rid, list(input_ids), sampling_params, generator,
+                          asyncio.get_running_loop().create_future())
+        self._requests[rid] = request
+        self.scheduler.enqueue(request)
+        self._wake.set()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            # The caller gave up (timeout, cancelled task): free the slot, then propagate.
+            if not request.future.done():
+                await self.abort(rid)
+            raise
+        finally:
+            self._requests.pop(rid, None)
+
+    def _validate(self, input_ids: list[int], params: SamplingParams,
+                  request_id: str | None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling_params = {params!r}: must be a SamplingParams")
+        params.validate()
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise InvalidRequestError(f"input_ids = {input_ids!r}: must be a non-empty list "
+                                      "of token ids")
+        if len(input_ids) > self.max_prompt_len:
+            raise InvalidRequestError(
+                f"input_ids: prompt length {len(input_ids)} exceeds max_prompt_len = "
+                f"{self.max_prompt_len}; shorten the prompt or raise engine.max_prompt_len")
+        for key, ids in (("input_ids", input_ids), ("sampling_params.stop_token_ids",
+                                                    params.stop_token_ids)):
+            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"{key}: token ids {bad[:5]!r} outside the vocabulary "
+                                          f"[0, {self.vocab_size})")
+        if len(input_ids) + params.max_new_tokens > self.context_len:
+            raise InvalidRequestError(
+                f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt "
+                f"({len(input_ids)}) + max_new_tokens exceeds context_len = {self.context_len}")
+        if len(input_ids) + params.max_new_tokens > self.scheduler.max_total_tokens:
+            raise InvalidRequestError(
+                f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt + "
+                f"max_new_tokens exceeds engine.max_total_tokens = "
+                f"{self.scheduler.max_total_tokens}; raise it or shorten the request")
+        if request_id is not None and request_id in self._requests:
+            raise InvalidRequestError(f"request_id = {request_id!r}: already in flight")
+
+    async def abort(self, request_id: str | None = None) -> int:
+        async with self._guard():
+            if request_id is None:
+                return self._abort_all()
+            request = self.scheduler.remove_waiting(request_id)
+            if request is None and self._batch is not None:
+                rows = self._batch.requests
+                hit = [i for i, r in enumerate(rows) if r.rid == request_id]
+                if hit:
+                    request = rows[hit[0]]
+                    self._batch = self._batch.select([i for i in range(len(rows))
+                                                      if i != hit[0]])
+            if request is None:
+                return 0
+            self._finish(request, "abort")
+            return 1
+
+    def _abort_all(self) -> int:
+        doomed = list(self.scheduler.waiting) + (self._batch.requests if self._batch else [])
+        self.scheduler.waiting.clear()
+        self._batch = None
+        for request in doomed:
+            self._finish(request, "abort")
+        return len(doomed)
+
+    def _finish(self, request: Request, reason: str | None = None) -> None:
+        if reason is not None:
+            request.finish_reason = reason
+        self.stats["aborted" if request.finish_reason == "abort" else "finished"] += 1
+        if not request.future.done():
+            request.future.set_result(request.to_output())
+
+    # ---------------------------------------------------------------- pause / resume
+    async def pause_generation(self, mode: str = "abort") -> None:
+        if mode not in PAUSE_MODES:
+            raise InvalidRequestError(f"pause_generation mode = {mode!r}: use one of "
+                                      f"{PAUSE_MODES}")
+        async with self._guard():
+            self._paused = True
+            if mode == "abort":
+                self._abort_all()
+            elif mode == "retract":
+                self._retract_running()
+
+    async def continue_generation(self) -> None:
+        async with self._guard():
+            self._paused = False
+            self._wake.set()
+
+    async def flush_cache(self) -> None:
+        async with self._guard():
+            if self._paused:
+                self._retract_running()
+
+    def _retract_running(self) -> None:
+        """Running requests -> front of the queue with their KV dropped (rebuilt on admit)."""
+        if self._batch is not None:
+            self.scheduler.requeue_front(self._batch.requests)
+            self._batch = None
+            self._wake.set()
+
+    # ---------------------------------------------------------------- weights
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str) -> None:
+        # The rendezvous blocks until every rank joined: keep the event loop free meanwhile.
+        await asyncio.to_thread(collective.init_custom_process_group, backend,
+                                f"tcp://{master_address}:{master_port}", world_size,
+                                rank_offset, group_name)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        collective.destroy_group(group_name)
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
+                                              shapes: list[list[int]], group_name: str,
+                                              weight_version: int | None = None) -> None:
+        group = collective.get_group(group_name)
+        # Always take part in the broadcast (the sender would hang otherwise); check after.
+        flat = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
+        # Receive outside the lock (generation may go on); load under it, between two steps.
+        await asyncio.to_thread(torch.distributed.broadcast, flat, group=group, group_src=0)
+        await self.update_weights_from_tensor(unflatten_bucket(flat, names, dtypes, shapes),
+                                              weight_version)
+
+    async def update_weights_from_tensor(self, named_tensors: list,
+                                         weight_version: int | None = None) -> None:
+        """Copy `(hf_name, tensor)` pairs into the parameters; set the version when given
+        (None keeps it: several buckets of one publication pass the version on any of them).
+        Running requests are retracted so no KV of the old weights is reused."""
+        named_tensors = list(named_tensors)
+        self._check_names([n for n, _ in named_tensors], [list(t.shape) for _, t in named_tensors])
+        if weight_version is not None and (not isinstance(weight_version, int)
+                                           or weight_version < self._version):
+            raise ValueError(f"weight_version = {weight_version!r}: must be an int >= the "
+                             f"current version {self._version} (versions only increase)")
+        async with self._guard():
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    self._params[name].copy_(tensor.to(self.device))
+            if weight_version is not None:
+                self._version = weight_version
+            self._retract_running()
+
+    def _check_names(self, names: list[str], shapes: list[list[int]]) -> None:
+        """Validate the whole bucket before copying anything, so a bad one changes nothing."""
+        for name, shape in zip(names, shapes, strict=True):
+            if name not in self._params:
+                raise EngineError(f"weight update: parameter {name!r} is not in the engine's "
+                                  f"model (e.g. {sorted(self._params)[:3]}); names must be "
+                                  f"the HF names of the same architecture")
+            if list(self._params[name].shape) != [int(d) for d in shape]:
+                raise EngineError(f"weight update: {name!r} has shape {list(shape)}, the "
+                                  f"engine's is {list(self._params[name].shape)}")
+
+    async def get_weight_version(self) -> int:
+        return self._version
+
+    async def weights_checksum(self) -> str:
+        async with self._guard():
+            return weights_checksum(self.model.named_parameters())
+
+    # ---------------------------------------------------------------- load / lifecycle
+    def load(self) -> EngineLoad:
+        running = self._batch.requests if self._batch is not None else []
+        return EngineLoad(
+            running=len(running),
+            waiting=len(self.scheduler.waiting),
+            tokens_in_use=sum(r.num_tokens for r in running),
+            token_capacity=self.scheduler.max_total_tokens,
+            max_running_requests=self.scheduler.max_running,
+            weight_version=self._version,
+            extra={"reserved_tokens": sum(r.reserved_tokens for r in running),
+                   "paused": self._paused, **self.stats},
+        )
+
+    async def close(self) -> None:
+        """Stop the loop; requests still in flight fail with EngineError."""
+        self._closed = True
+        if self._task is not None and not self._task.done():
+            # Let the current step finish (a cancelled worker thread would keep running and
+            # race with the cleanup below); the loop exits at its next check.
+            self._wake.set()
+            await self._task
+        async with self._guard():
+            doomed = list(self.scheduler.waiting) + (self._batch.requests if self._batch else [])
+            self.scheduler.waiting.clear()
+            self._batch = None
+            self._fail(doomed, EngineError("engine closed while the request was in flight"))
+
+    def _ensure_loop(self) -> None:
+        if self._closed:
+            raise EngineError("engine is closed; create a new EmbeddedEngine")
+        loop = self._bind_loop()
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._loop())
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop_ref:
+            # A new event loop (e.g. successive asyncio.run calls): asyncio primitives are
+            # bound to one loop, so rebind them; requests of the old loop cannot survive it.
+            if self._requests or self.scheduler.waiting or self._batch is not None:
+                raise EngineError("engine used from a new event loop while requests of the "
+                                  "old one are in flight; use one event loop per engine")
+            self._loop_ref, self._lock, self._wake = loop, asyncio.Lock(), asyncio.Event()
+            self._task = None
+        return loop
+
+    def _guard(self) -> asyncio.Lock:
+        """The step lock of the current event loop (API calls hold it between two steps)."""
+        self._bind_loop()
+        return self._lock
+
+    def _fail(self, requests: list[Request], error: Exception) -> None:
+        for request in requests:
+            self.stats["failed"] += 1
+            if not request.future.done():
+                request.future.set_exception(error)
+
+    # ---------------------------------------------------------------- the step loop
+    async def _loop(self) -> None:
+        while not self._closed:
+            if self._paused or (not self.scheduler.waiting and self._batch is None):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            async with self._lock:
+                if not self._paused:
+                    await self._step()
+            await asyncio.sleep(0)  # let API calls (abort, pause, updates) take the lock
+
+    async def _step(self) -> None:
+        running = self._batch.requests if self._batch is not None else []
+        admitted = self.scheduler.pop_admissible(running)
+        involved = running + admitted
+        if not involved:
+            return
+        try:
+            if self.config.forward_in_thread:
+                finished = await asyncio.to_thread(self._compute, admitted)
+            else:
+                finished = self._compute(admitted)
+        except Exception as exc:  # noqa: BLE001 -- not swallowed: every affected request fails with it
+            self._batch = None
+            self._fail(involved, EngineError(
+                f"engine step failed for {len(involved)} request(s) "
+                f"({[r.rid for r in involved][:4]}...): {type(exc).__name__}: {exc}"))
+            return
+        self.stats["steps"] += 1
+        for request in finished:
+            self._finish(request)
+
+    def _compute(self, admitted: list[Request]) -> list[Request]:
+        """One step in the worker thread: prefill the admitted, decode everyone, sample."""
+        finished: list[Request] = []
+        with torch.inference_mode():
+            if admitted:
+                new_batch, logits_BV = prefill(self.model, admitted, self.device)
+                for request in admitted:
+                    if request.output_ids:  # a rebuilt prefix: the mixed-policy refresh
+                        request.refreshes += 1
+                        self.stats["refreshes"] += 1
+                new_batch = self._sample(new_batch, logits_BV, finished)
+                self._batch = KVBatch.merge(self._batch, new_batch)
+            if self._batch is not None:
+                logits_BV = decode(self.model, self._batch)
+                self._batch = self._sample(self._batch, logits_BV, finished)
+        return finished
+
+    def _sample(self, batch: KVBatch, logits_BV: torch.Tensor,
+                finished: list[Request]) -> KVBatch | None:
+        rows = batch.requests
+        params = [r.params for r in rows]
+        device = logits_BV.device
+        tokens_B, logprobs_B = sample_tokens(
+            logits_BV,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            draw_uniforms([r.generator for r in rows]))
+        keep = []
+        for i, (request, token, logprob) in enumerate(zip(rows, tokens_B.tolist(),
+                                                          logprobs_B.tolist())):
+            if request.record(token, logprob, self._version):
+                finished.append(request)
+            else:
+                keep.append(i)
+        return batch.select(keep)

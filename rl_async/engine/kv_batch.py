@@ -1,0 +1,118 @@
+"""The running batch of the embedded engine: one left-padded KV cache shared by all rows.
+
+Invariant for every running request (one row): the cache holds the KV of its prefix except
+the last token, and that last token (the one sampled most recently) is fed at the next decode
+step. Rows are left-padded to a common length; `mask_BL` marks real cache positions, and each
+row's position ids count only its real tokens, so padding never changes a row's numbers.
+Membership changes re-pack the cache (`select` drops rows, `merge` concatenates a freshly
+prefilled batch); a decode step only appends one column.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+from rl_async.engine.scheduler import Request
+
+PAD_ID = 0  # any valid id: padded positions are masked out and their KV zeroed
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`."""
+    name = getattr(model, "_rl_async_cache_kwarg", None)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        model._rl_async_cache_kwarg = name
+    return name
+
+
+class KVBatch:
+    def __init__(self, cache: DynamicCache, mask_BL: torch.Tensor, requests: list[Request]):
+        self.cache = cache
+        self.mask_BL = mask_BL
+        self.requests = requests
+
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+    def select(self, keep: list[int]) -> KVBatch | None:
+        """The batch with only rows `keep` (in order); None when no row is kept."""
+        if not keep:
+            return None
+        if len(keep) == len(self.requests):
+            return self
+        index = torch.tensor(keep, device=self.mask_BL.device)
+        mask_BL = self.mask_BL.index_select(0, index)
+        # Drop leading columns that are padding for every remaining row.
+        start = int(mask_BL.any(dim=0).nonzero()[0])
+        kv = [(k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
+              for k, v in self.kv()]
+        return KVBatch(DynamicCache(kv), mask_BL[:, start:], [self.requests[i] for i in keep])
+
+    @staticmethod
+    def merge(a: KVBatch | None, b: KVBatch | None) -> KVBatch | None:
+        if a is None or b is None:
+            return a if b is None else b
+        length = max(a.mask_BL.shape[1], b.mask_BL.shape[1])
+        kv = [(torch.cat([_left_pad(ka, length), _left_pad(kb, length)]),
+               torch.cat([_left_pad(va, length), _left_pad(vb, length)]))
+              for (ka, va), (kb, vb) in zip(a.kv(), b.kv(), strict=True)]
+        mask_BL = torch.cat([_left_pad_mask(a.mask_BL, length), _left_pad_mask(b.mask_BL, length)])
+        return KVBatch(DynamicCache(kv), mask_BL, a.requests + b.requests)
+
+
+def _left_pad(kv_BHLD: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - kv_BHLD.shape[2]
+    if missing == 0:
+        return kv_BHLD
+    pad = kv_BHLD.new_zeros(kv_BHLD.shape[0], kv_BHLD.shape[1], missing, kv_BHLD.shape[3])
+    return torch.cat([pad, kv_BHLD], dim=2)
+
+
+def _left_pad_mask(mask_BL: torch.Tensor, length: int) -> torch.Tensor:
+    missing = length - mask_BL.shape[1]
+    if missing == 0:
+        return mask_BL
+    return torch.cat([mask_BL.new_zeros(mask_BL.shape[0], missing), mask_BL], dim=1)
+
+
+def prefill(model: torch.nn.Module, requests: list[Request], device: torch.device
+            ) -> tuple[KVBatch, torch.Tensor]:
+    """Run the whole prefix of each request; returns the batch (KV of every prefix token) and
+    the last-position logits [B, V]. Callers append the sampled token, which restores the
+    invariant (cache = prefix minus its last token)."""
+    prefixes = [r.prefix() for r in requests]
+    length = max(len(p) for p in prefixes)
+    ids_BL = torch.full((len(prefixes), length), PAD_ID, dtype=torch.long)
+    mask_BL = torch.zeros((len(prefixes), length), dtype=torch.long)
+    for row, prefix in enumerate(prefixes):
+        ids_BL[row, length - len(prefix):] = torch.tensor(prefix)
+        mask_BL[row, length - len(prefix):] = 1
+    ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
+    positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    out = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=positions_BL,
+                use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+    # Zero the KV of padded positions: a fully masked query row can produce NaN in later
+    # layers, and NaN * 0 attention weight is still NaN.
+    real_B1L1 = mask_BL[:, None, :, None].bool()
+    for layer in cache.layers:
+        layer.keys = torch.where(real_B1L1, layer.keys, 0)
+        layer.values = torch.where(real_B1L1, layer.values, 0)
+    return KVBatch(cache, mask_BL, list(requests)), out.logits[:, -1]
+
+
+def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
+    """Feed every row's last sampled token; appends one KV column; returns logits [B, V]."""
+    device = batch.mask_BL.device
+    ids_B1 = torch.tensor([[r.output_ids[-1]] for r in batch.requests], device=device)
+    mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)], dim=1)
+    positions_B1 = mask_BL.sum(dim=1, keepdim=True) - 1
+    out = model(input_ids=ids_B1, attention_mask=mask_BL, position_ids=positions_B1,
+                use_cache=True, **{_cache_kwarg(model): batch.cache})
+    batch.mask_BL = mask_BL
+    return out.logits[:, -1]

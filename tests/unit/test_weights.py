@@ -1,0 +1,137 @@
+"""Weight codec (bucketing, flattening, checksum) and a real two-process gloo publication."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rl_async.collective import destroy_group, init_custom_process_group
+from rl_async.engine.models import build_causal_lm, tiny_llama_config
+from rl_async.weights import (bucket_named_tensors, flatten_bucket, unflatten_bucket,
+                              weights_checksum)
+
+MIXED = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+         ("b", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
+         ("c", torch.arange(5, dtype=torch.int64)),
+         ("d", torch.randn(4, 4, dtype=torch.float16)),
+         ("e", torch.tensor(3.0))]
+
+
+def test_buckets_keep_order_and_respect_the_limit():
+    buckets = bucket_named_tensors(MIXED, max_bucket_bytes=40)
+    assert [n for b in buckets for n, _ in b] == ["a", "b", "c", "d", "e"]
+    for bucket in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in bucket)
+        assert size <= 40 or len(bucket) == 1
+    assert len(bucket_named_tensors(MIXED, max_bucket_bytes=10**9)) == 1
+    with pytest.raises(ValueError, match="max_bucket_bytes"):
+        bucket_named_tensors(MIXED, 0)
+
+
+def test_flatten_roundtrip_is_bit_exact_for_mixed_dtypes():
+    flat, names, dtypes, shapes = flatten_bucket(MIXED)
+    assert flat.dtype == torch.uint8 and dtypes[1] == "bfloat16" and shapes[4] == []
+    back = unflatten_bucket(flat, names, dtypes, shapes)
+    for (n0, t0), (n1, t1) in zip(MIXED, back):
+        assert n0 == n1 and t0.dtype == t1.dtype and torch.equal(t0, t1)
+    with pytest.raises(ValueError, match="metadata"):
+        unflatten_bucket(flat[:-1], names, dtypes, shapes)
+
+
+def test_checksum_detects_any_change_and_ignores_order():
+    base = weights_checksum(MIXED)
+    assert weights_checksum(list(reversed(MIXED))) == base
+    changed = [(n, t.clone()) for n, t in MIXED]
+    changed[0][1][0, 0] += 1
+    assert weights_checksum(changed) != base
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, port: int, ddp_port: int, queue) -> None:
+    torch.set_num_threads(1)
+    if rank == 0:
+        _trainer(port, ddp_port, queue)
+    else:
+        asyncio.run(_engine(port, queue))
+
+
+def _trainer(port: int, ddp_port: int, queue) -> None:
+    # The trainer already owns a default group (as under DDP); the publication group is extra.
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", world_size=1,
+                            rank=0)
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "pub")
+    named = list(build_causal_lm(tiny_llama_config(), seed=11).named_parameters())
+    buckets = bucket_named_tensors([(n, t.detach()) for n, t in named], 20_000)
+    queue.put(("meta", len(buckets), weights_checksum(named)))
+    for bucket in buckets:
+        flat, names, dtypes, shapes = flatten_bucket(bucket)
+        queue.put(("bucket", names, dtypes, shapes))
+        dist.broadcast(flat, group=group, group_src=0)
+    destroy_group("pub")
+    dist.destroy_process_group()
+
+
+async def _engine(port: int, queue) -> None:
+    from rl_async.engine.base import SamplingParams
+    from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_config=tiny_llama_config()))
+    before = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+    await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "pub", "gloo")
+    await engine.pause_generation("retract")
+    _, n_buckets, checksum = queue.get()
+    for i in range(n_buckets):
+        _, names, dtypes, shapes = queue.get()
+        version = 1 if i == n_buckets - 1 else None
+        await engine.update_weights_from_distributed(names, dtypes, shapes, "pub", version)
+    await engine.continue_generation()
+    after = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+    queue.put(("result", n_buckets, checksum, await engine.weights_checksum(),
+               before.token_versions, after.token_versions))
+    await engine.destroy_weights_update_group("pub")
+    await engine.close()
+
+
+def test_distributed_bucketed_update_between_two_processes():
+    ctx = mp.get_context("spawn")
+    to_engine, results = ctx.Queue(), ctx.Queue()
+    port, ddp_port = _free_port(), _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(0, port, ddp_port, to_engine)),
+             ctx.Process(target=_rank_main, args=(1, port, ddp_port, _Relay(to_engine, results)))]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0]
+        _, n_buckets, sent, received, before, after = results.get(timeout=5)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert n_buckets > 1  # really bucketed
+    assert received == sent
+    assert before == [0, 0, 0] and after == [1, 1, 1]
+
+
+class _Relay:
+    """The engine reads metadata from the trainer's queue and reports on its own queue."""
+
+    def __init__(self, inbox, outbox):
+        self.inbox, self.outbox = inbox, outbox
+
+    def get(self):
+        return self.inbox.get(timeout=60)
+
+    def put(self, item):
+        self.outbox.put(item)
