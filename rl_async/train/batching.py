@@ -1,0 +1,134 @@
+"""Turn samples into padded [batch, tokens] tensors and score their response tokens.
+
+Layout: each row is `prompt_ids + response_ids`, right-padded. The log-prob of token t comes
+from the logits at position t − 1, so per-token tensors live on the *shifted* axis. Only the
+window from the earliest response token onwards is materialised (`start`), which keeps the
+[batch, tokens, vocab] logits small when prompts are long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rl_async.types import Sample
+
+
+@dataclass
+class TrainItem:
+    """One sample prepared for training: tokens, per-token data and its advantage."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    behavior_logprobs: list[float]
+    token_versions: list[int]        # empty = unknown
+    advantage: float = 0.0
+    anchor_logprobs: list[float] | None = None
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
+    """Validate a sample's per-token fields; `where` names it in errors (group and index)."""
+    n = len(sample.response_ids)
+    if not sample.prompt_ids:
+        raise ValueError(f"{where}: prompt_ids is empty; the first response token needs at "
+                         f"least one prompt token to be scored")
+    if len(sample.behavior_logprobs) != n:
+        raise ValueError(f"{where}: {len(sample.behavior_logprobs)} behavior_logprobs for {n} "
+                         f"response tokens; the engine must return one log-prob per token")
+    if sample.token_versions and len(sample.token_versions) != n:
+        raise ValueError(f"{where}: {len(sample.token_versions)} token_versions for {n} "
+                         f"response tokens; record one version per token or none")
+    return TrainItem(list(sample.prompt_ids), list(sample.response_ids),
+                     [float(x) for x in sample.behavior_logprobs], list(sample.token_versions),
+                     float(advantage))
+
+
+@dataclass
+class PackedBatch:
+    input_ids_BL: Tensor
+    attention_mask_BL: Tensor
+    start: int                 # first shifted position kept (earliest response token − 1)
+    targets_BT: Tensor         # token whose log-prob each kept position predicts
+    mask_BT: Tensor            # bool: response tokens
+    behavior_BT: Tensor
+    anchor_BT: Tensor | None
+    advantages_BT: Tensor
+    versions_BT: Tensor        # int64, −1 where unknown or masked
+    spans: list[tuple[int, int]]  # per row: [begin, end) of its response on the T axis
+
+
+def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0) -> PackedBatch:
+    if not items:
+        raise ValueError("pack() needs at least one item")
+    lengths = [len(it.prompt_ids) + it.response_len for it in items]
+    L = max(lengths)
+    start = min(len(it.prompt_ids) for it in items) - 1
+    T = max(L - start - 1, 0)
+    B = len(items)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    behavior = torch.zeros((B, T), dtype=torch.float32)
+    anchor = torch.zeros((B, T), dtype=torch.float32)
+    adv = torch.zeros((B, T), dtype=torch.float32)
+    versions = torch.full((B, T), -1, dtype=torch.long)
+    spans = []
+    have_anchor = all(it.anchor_logprobs is not None for it in items)
+    for i, it in enumerate(items):
+        seq = it.prompt_ids + it.response_ids
+        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+        attn[i, :len(seq)] = 1
+        b, e = len(it.prompt_ids) - 1 - start, len(it.prompt_ids) - 1 - start + it.response_len
+        spans.append((b, e))
+        if e == b:
+            continue
+        mask[i, b:e] = True
+        behavior[i, b:e] = torch.tensor(it.behavior_logprobs, dtype=torch.float32)
+        adv[i, b:e] = it.advantage
+        if it.token_versions:
+            versions[i, b:e] = torch.tensor(it.token_versions, dtype=torch.long)
+        if have_anchor:
+            anchor[i, b:e] = torch.tensor(it.anchor_logprobs, dtype=torch.float32)
+    dev = torch.device(device)
+    return PackedBatch(
+        input_ids_BL=ids.to(dev), attention_mask_BL=attn.to(dev), start=start,
+        targets_BT=ids[:, start + 1:].to(dev), mask_BT=mask.to(dev),
+        behavior_BT=behavior.to(dev), anchor_BT=anchor.to(dev) if have_anchor else None,
+        advantages_BT=adv.to(dev), versions_BT=versions.to(dev), spans=spans)
+
+
+def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float,
+                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / temperature) of each target token, [B, T] float32.
+
+    The engine samples with the same temperature and records the same quantity as the
+    behaviour log-prob, so anchor and behaviour are comparable. Entropy (of the same
+    tempered distribution, detached) is returned when asked.
+    """
+    L = batch.input_ids_BL.shape[1]
+    keep = L - batch.start  # logits for positions start .. L-1
+    out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                logits_to_keep=keep, use_cache=False)
+    logits_BTV = out.logits[:, :-1].float() / temperature
+    log_z_BT = torch.logsumexp(logits_BTV, dim=-1)
+    picked_BT = logits_BTV.gather(-1, batch.targets_BT.unsqueeze(-1)).squeeze(-1)
+    logprobs_BT = picked_BT - log_z_BT
+    entropy_BT = None
+    if with_entropy:
+        with torch.no_grad():
+            probs_BTV = torch.softmax(logits_BTV.detach(), dim=-1)
+            entropy_BT = log_z_BT.detach() - (probs_BTV * logits_BTV.detach()).sum(-1)
+    return logprobs_BT, entropy_BT
+
+
+def unpack_rows(values_BT: Tensor, batch: PackedBatch) -> list[list[float]]:
+    """Per-row response values (e.g. log-probs) as Python lists."""
+    cpu = values_BT.detach().float().cpu()
+    return [cpu[i, b:e].tolist() for i, (b, e) in enumerate(batch.spans)]
