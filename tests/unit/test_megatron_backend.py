@@ -1,0 +1,100 @@
+"""megatron-core GPTModel built from a Hugging Face config, checked against the HF model on CPU.
+
+Marked `megatron` (skipped without megatron-core). Runs forward/backward only, through the
+test-only CUDA shims in megatron_cpu_shims; optimizer steps are in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from rl_async.loss import policy_terms
+from rl_async.train import megatron_model as mm
+from megatron_cpu_shims import megatron_cpu  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.megatron
+torch.set_num_threads(1)
+
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _hf(kind: str, tied: bool):
+    torch.manual_seed(0)
+    cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if kind == "llama" else (Qwen2ForCausalLM, Qwen2Config)
+    model = cls(cfg_cls(**TINY, tie_word_embeddings=tied)).eval()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: perturb so names matter
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "bias")):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    return sd
+
+
+def _build(hf_model):
+    cfg = mm.MegatronParallelConfig(vocab_divisible_by=128)  # pads 96 -> 128: masking matters
+    mm.initialize_parallel(cfg)
+    model = mm.build_gpt_model(hf_model.config, cfg)
+    mm.load_hf_weights(model, _state(hf_model), hf_model.config, cfg)
+    return model, cfg
+
+
+@pytest.mark.parametrize("kind,tied", [("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_logits_and_logprobs_match_hf(megatron_cpu, kind, tied):
+    hf_model = _hf(kind, tied)
+    model, _ = _build(hf_model)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = hf_model(input_ids=ids).logits
+        out = mm.forward_logits(model.eval(), ids)
+    assert out.shape == (2, 9, 128)
+    torch.testing.assert_close(out[..., :96], ref, atol=2e-5, rtol=1e-4)
+    start, temperature = 3, 0.7
+    lp = mm.logprobs_from_logits(out, ids[:, start + 1:], start, temperature, TINY["vocab_size"])
+    ref_lp = torch.log_softmax(ref[:, start:-1] / temperature, -1).gather(-1, ids[:, start + 1:, None])[..., 0]
+    torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-4)
+
+
+def test_export_returns_the_loaded_hf_tensors(megatron_cpu):
+    hf_model = _hf("qwen2", False)
+    model, cfg = _build(hf_model)
+    exported = mm.export_hf_state(model, hf_model.config, cfg)
+    ref = _state(hf_model)
+    assert exported.keys() == ref.keys()
+    assert all(torch.equal(exported[k], ref[k]) for k in ref)
+
+
+def test_policy_loss_backward_gives_finite_gradients(megatron_cpu):
+    hf_model = _hf("llama", False)
+    model, _ = _build(hf_model)
+    model.train()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(4))
+    start = 2
+    targets = ids[:, start + 1:]
+    lp = mm.logprobs_from_logits(mm.forward_logits(model, ids), targets, start, 1.0, TINY["vocab_size"])
+    anchor = lp.detach() + 0.05 * torch.randn_like(lp)
+    behavior = anchor - 0.9  # exp(a − b) > tis_clip: the TIS cap is engaged
+    mask = torch.ones_like(lp, dtype=torch.bool)
+    mask[1, -2:] = False
+    terms = policy_terms(lp, anchor, behavior, torch.tensor([1.0, -0.5]), mask)
+    loss = terms.token_loss_BT.sum() / mask.sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is not None and torch.isfinite(g).all() for g in grads.values()), grads.keys()
+    assert grads["decoder.layers.0.self_attention.linear_qkv.weight"].abs().sum() > 0
+    assert grads["embedding.word_embeddings.weight"][96:].abs().sum() == 0  # padded rows untouched
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="megatron.transformer_impl='te'"):
+        mm.MegatronParallelConfig(transformer_impl="te")
+    with pytest.raises(ValueError, match="tensor_parallel_size × pipeline_parallel_size = 4"):
+        mm.MegatronParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).data_parallel_size(6)
