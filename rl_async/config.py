@@ -168,6 +168,7 @@ class TaskSection(Section):
     num_eval_prompts: PositiveInt = 64
     # Built-in task: digits 0..modulus-1 in the prompt.
     modulus: int = Field(10, ge=2, le=100)
+    prompt_digits: int = Field(3, ge=1, le=6)
 
 
 class RewardSection(Section):

@@ -11,3 +11,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# megatron-core is pure Python on CPU; --no-deps keeps it from touching the pinned torch.
+.venv/bin/python -m pip install -q --no-deps "megatron-core==0.16.1"

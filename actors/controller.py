@@ -1,0 +1,92 @@
+"""Controller actor: builds the fleet, owns the policy version, runs the training loop
+(rl_async.controller.Controller) and logs metrics in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import ray
+
+from actors.fleet import RayFleet
+from rl_async.capacity import CapacityPlan
+from rl_async.config import RunConfig
+from rl_async.controller import Controller
+from rl_async.metrics import MemorySink, MetricsLogger, WandbSink
+
+
+@ray.remote(num_cpus=0)
+class ControllerActor:
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, warnings: list[dict]):
+        self.cfg, self.plan, self.warnings = cfg, plan, warnings
+        self.controller: Controller | None = None
+        self.fleet: RayFleet | None = None
+        self.memory = MemorySink()
+        self.error: str | None = None
+
+    def _logger(self) -> MetricsLogger:
+        sinks = [self.memory]
+        w = self.cfg.wandb
+        if w.mode != "disabled":
+            config = {**self.cfg.to_dict(), "capacity_plan": self.plan.to_dict(),
+                      "capacity_warnings": self.warnings}
+            sinks.append(WandbSink(w.mode, w.project, w.entity, self.cfg.run.name, config,
+                                   Path(self.cfg.run.output_dir) / self.cfg.run.name))
+        from actors.ray_metrics import RayMetricsSink
+
+        sinks.append(RayMetricsSink())
+        return MetricsLogger(sinks)
+
+    async def run(self) -> dict:
+        logger = self._logger()
+        self.fleet = RayFleet(self.cfg, self.plan)
+        try:
+            await self.fleet.start()
+            self.controller = Controller(self.cfg, self.plan, self.fleet, logger.log)
+            summary = await self.controller.run()
+            summary["failures"] = await self.fleet.source.failures.remote()
+            return summary
+        except BaseException as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.partial = await self._partial_summary()
+            raise
+        finally:
+            logger.close()
+            await self.fleet.shutdown()
+
+    async def _partial_summary(self) -> dict:
+        """What a failed run can still account for (the ledger, if its actor is alive)."""
+        out: dict = {"error": self.error}
+        if self.controller is not None:
+            p = self.controller.progress
+            out.update(steps=p.step, policy_version=self.controller.version,
+                       eval={"initial_reward": p.initial_eval, "final_reward": p.final_eval})
+        try:
+            out["ledger"] = await self.fleet.source.counts.remote()
+            out["failures"] = await self.fleet.source.failures.remote()
+        except Exception as exc:  # the prompt source itself may be what died
+            out["ledger"] = f"unavailable: {type(exc).__name__}: {exc}"
+        return out
+
+    def failure_summary(self) -> dict | None:
+        return getattr(self, "partial", None)
+
+    def progress(self) -> dict:
+        if self.controller is None:
+            return {"phase": "starting"}
+        p = dataclasses.asdict(self.controller.progress)
+        p.pop("history", None)
+        p["max_steps"] = self.cfg.run.max_steps
+        p["discard_fraction"] = self.memory.rows[-1][1].get(
+            "rollout/fully_async/completed_queue/dropped_samples_fraction", 0.0) \
+            if self.memory.rows else 0.0
+        return p
+
+    def request_stop(self) -> None:
+        """Graceful stop (`ray job stop`, Ctrl-C): finish the current collection, drain, eval,
+        summary."""
+        if self.controller is not None:
+            self.controller.stop_requested = True
+
+    def history(self) -> list:
+        return self.memory.rows

@@ -1,0 +1,99 @@
+"""Engine actor: one generation engine (embedded torch engine or one SGLang server).
+
+Methods mirror the engine interface (SPEC §10) one to one, so the producer and the
+controller drive either backend the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from rl_async.config import RunConfig
+from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
+
+
+def build_engine(cfg: RunConfig, index: int) -> Engine:
+    if cfg.engine.backend == "embedded":
+        from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+        on_gpu = cfg.cluster.inference_gpus > 0
+        return EmbeddedEngine(EmbeddedEngineConfig(
+            hf_config=cfg.model.hf_config, path=cfg.model.path, init_seed=cfg.model.init_seed,
+            device="cuda" if on_gpu else "cpu", dtype=cfg.model.dtype,
+            max_running_requests=cfg.sglang.max_running_requests,
+            max_total_tokens=cfg.engine.max_total_tokens,
+            torch_threads=None if on_gpu else cfg.engine.torch_threads,
+            sampling_seed=cfg.run.seed * 1000 + index))
+    from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
+
+    s = cfg.sglang
+    return SGLangEngine(SGLangEngineConfig(
+        model_path=cfg.model.path, gpus_per_engine=cfg.cluster.gpus_per_engine,
+        host=ray.util.get_node_ip_address(), port=0,
+        mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
+        server_args={"dtype": cfg.model.dtype, **s.extra_args},
+        startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
+
+
+@ray.remote
+class EngineActor:
+    def __init__(self, cfg: RunConfig, index: int):
+        self.index = index
+        self.engine = build_engine(cfg, index)
+
+    async def start(self) -> dict:
+        """Launch/attach (SGLang) and report where this engine runs."""
+        if hasattr(self.engine, "start"):
+            await self.engine.start()
+        return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
+                       request_id: str | None = None) -> GenerateOutput:
+        return await self.engine.generate(input_ids, sampling_params, request_id)
+
+    async def abort(self, request_id: str | None = None) -> int:
+        return await self.engine.abort(request_id)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self.engine.pause_generation(mode)
+
+    async def continue_generation(self) -> None:
+        await self.engine.continue_generation()
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def init_weights_update_group(self, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str) -> None:
+        await self.engine.init_weights_update_group(master_address, master_port, rank_offset,
+                                                    world_size, group_name, backend)
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str,
+                                              weight_version: int | None = None) -> None:
+        await self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
+                                                          weight_version)
+
+    async def update_weights_from_tensor(self, named_tensors, weight_version=None) -> None:
+        await self.engine.update_weights_from_tensor(named_tensors, weight_version)
+
+    async def get_weight_version(self) -> int:
+        return await self.engine.get_weight_version()
+
+    async def weights_checksum(self) -> str:
+        return await self.engine.weights_checksum()
+
+    async def named_weights(self) -> list:
+        """The engine's current weights (tests compare them with the trainer's)."""
+        return [(n, p.detach().cpu().clone()) for n, p in self.engine.model.named_parameters()]
+
+    def load(self) -> dict:
+        return vars(self.engine.load())
+
+    async def shutdown(self) -> None:
+        for name in ("shutdown", "close"):
+            if hasattr(self.engine, name):
+                await getattr(self.engine, name)()
+                return

@@ -1,0 +1,67 @@
+"""Prompt source actor: the task's prompts and the retry ledger, one owner per prompt.
+
+A plain (non-async) actor on purpose: Ray runs a sync actor's calls from one caller in the
+order they were sent, so the buffer's insert -> deliver/discard reports reach the ledger in
+the order they happened. Group references passed here carry no tokens (`ref_of`).
+"""
+
+from __future__ import annotations
+
+import ray
+
+from rl_async.config import RunConfig
+from rl_async.ledger import PromptLedger
+from rl_async.tasks import PromptSource, build_prompts, model_vocab_size
+from rl_async.types import Group
+
+
+def ref_of(group: Group) -> Group:
+    """What the ledger needs of a group attempt: its id and attempt, not its tokens."""
+    return Group(group_id=group.group_id, samples=[], attempt=group.attempt)
+
+
+@ray.remote(num_cpus=0)
+class PromptSourceActor:
+    def __init__(self, cfg: RunConfig):
+        vocab = model_vocab_size(cfg.model)
+        self.source = PromptSource(build_prompts(cfg.task, vocab, "train"), cfg.run.seed)
+        self.eval_prompts = build_prompts(cfg.task, vocab, "eval")[: cfg.task.num_eval_prompts]
+        n = cfg.rollout.n_samples_per_prompt
+        self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),
+                                   cfg.async_.max_retries, cfg.async_.unused_samples_handler)
+
+    def next_group(self) -> Group:
+        group = self.ledger.next_group()
+        if group is None:  # the built-in and JSONL sources cycle; this is a bug if it happens
+            raise RuntimeError("the prompt source is exhausted")
+        return group
+
+    def get_eval_prompts(self):
+        return self.eval_prompts
+
+    def mark_buffered(self, ref: Group) -> None:
+        self.ledger.mark_buffered(ref)
+
+    def mark_delivered_all(self, refs: list[Group]) -> None:
+        self.ledger.mark_delivered_all(refs)
+
+    def record_buffer_discard(self, ref: Group, reason: str) -> None:
+        self.ledger.record_buffer_discard(ref, reason)
+
+    def mark_aborted(self, ref: Group, reason: str) -> None:
+        self.ledger.mark_aborted(ref, reason)
+
+    def mark_failed(self, ref: Group, error: str) -> None:
+        self.ledger.mark_failed(ref, error)
+
+    def counts(self) -> dict[str, int]:
+        return self.ledger.counts()
+
+    def failures(self) -> list[dict]:
+        return self.ledger.failures()
+
+    def state_dict(self) -> dict:
+        return self.ledger.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ledger.load_state_dict(state)

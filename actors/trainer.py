@@ -1,0 +1,108 @@
+"""Trainer worker actor: one data-parallel rank of the trainer group.
+
+Rank 0 is also the publisher: it joins the weight-publication collective group with every
+engine and broadcasts the flattened buckets (gloo on CPU, NCCL on GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import ray
+import torch
+
+from rl_async import collective
+from rl_async.capacity import CapacityPlan
+from rl_async.config import RunConfig
+from rl_async.types import Group
+from rl_async.weights import bucket_named_tensors, flatten_bucket, weights_checksum
+
+PUBLICATION_GROUP = "rl_async_publication"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
+    t = cfg.train
+    if t.backend == "megatron":
+        raise NotImplementedError(
+            "train.backend = 'megatron' is wired through rl_async.train.megatron_backend on GPU "
+            "clusters only; use train.backend = 'torch' here")
+    from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
+
+    return TorchTrainer(TorchTrainerConfig(
+        hf_config=cfg.model.hf_config, model_path=cfg.model.path, seed=cfg.model.init_seed,
+        lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
+        global_batch_size=plan.global_batch_size, micro_batch_size=t.micro_batch_size,
+        eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
+        tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
+        use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
+        temperature=cfg.rollout.temperature,
+        device="cuda" if cfg.cluster.trainer_gpus else "cpu"), rank, world)
+
+
+@ray.remote
+class TrainerWorker:
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
+        self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
+        if not cfg.cluster.trainer_gpus:
+            torch.set_num_threads(max(1, int(cfg.cluster.trainer_cpus)))
+        self.trainer = None
+        self._buckets: list = []
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        if self.world > 1:
+            from rl_async.train.distributed import init_distributed
+
+            init_distributed(master_addr, master_port, self.rank, self.world)
+        self.trainer = build_trainer(self.cfg, self.plan, self.rank, self.world)
+        return os.getpid()
+
+    def train(self, groups: list[Group], version: int) -> dict[str, float]:
+        return self.trainer.train_collection(groups, version)
+
+    # ---- publication (rank 0) --------------------------------------------------------------
+    def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
+                               backend: str) -> None:
+        collective.init_custom_process_group(backend, f"tcp://{master_addr}:{master_port}",
+                                             world_size, 0, PUBLICATION_GROUP)
+
+    def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
+        """Snapshot the weights into buckets; returns each bucket's (names, dtypes, shapes,
+        bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
+        broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
+        named = [(n, t.detach().clone()) for n, t in self.trainer.named_tensors_for_publication()]
+        self._buckets = []
+        metas = []
+        for bucket in bucket_named_tensors(named, bucket_bytes):
+            flat_t, names, dtypes, shapes = flatten_bucket(bucket)
+            self._buckets.append(flat_t if flat else [t for _, t in bucket])
+            metas.append((names, dtypes, shapes, int(flat_t.numel())))
+        return metas
+
+    def broadcast_bucket(self, index: int) -> None:
+        group = collective.get_group(PUBLICATION_GROUP)
+        payload = self._buckets[index]
+        for tensor in payload if isinstance(payload, list) else [payload]:
+            torch.distributed.broadcast(tensor, group=group, group_src=0)
+
+    def finish_publication(self) -> None:
+        self._buckets = []
+
+    # ---- checkpoints and checks ------------------------------------------------------------
+    def save_checkpoint(self, directory: str, extra: dict) -> str | None:
+        return self.trainer.save_checkpoint(directory, extra)
+
+    def weights_checksum(self) -> str:
+        return weights_checksum(self.trainer.named_tensors_for_publication())
+
+    def named_weights(self) -> list:
+        return [(n, t.detach().cpu().clone()) for n, t in self.trainer.named_tensors_for_publication()]

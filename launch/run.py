@@ -1,0 +1,125 @@
+"""`rl-async run`: the driver. Starts (or joins) Ray, launches the controller actor, shows a
+live progress line, handles a graceful stop and writes the summary.
+
+Locally it starts a single-node cluster bound to 127.0.0.1; with RAY_ADDRESS set (as under
+`ray job submit`) it joins that cluster. SIGTERM (`ray job stop`) and Ctrl-C ask the
+controller to stop gracefully: finish the current collection, drain, evaluate, summarise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from rl_async.checks import Report
+from rl_async.config import RunConfig
+
+POLL_S = 1.0
+
+
+def _init_ray(cfg: RunConfig) -> bool:
+    """Returns True when this driver started the cluster (and so must stop it)."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env,
+                 log_to_driver=False)
+        return False
+    c = cfg.cluster
+    cpus = max(os.cpu_count() or 2,
+               int(c.engine_cpus * max(1, c.cpu_engines) + c.trainer_cpus * c.trainer_workers))
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+             runtime_env=runtime_env, _node_ip_address="127.0.0.1")
+    return True
+
+
+def _print_plan(cfg: RunConfig, report: Report) -> None:
+    p = report.plan
+    print(f"[rl-async] {cfg.run.name}: {p.engines} engine(s), producer {p.producer_samples} samples "
+          f"({p.producer_groups} groups, {p.submission_granularity}), HTTP slots {p.http_slots}, "
+          f"engine slots {p.engine_slots}, buffer {p.completed_buffer_groups} groups, lag "
+          f"{p.max_weight_staleness}, {p.optimizer_steps_per_collection} update(s)/collection, "
+          f"{'fully async' if cfg.fully_async else 'synchronous'}", flush=True)
+    for w in report.warnings:
+        print(f"[rl-async] warning {w.code}: {w.message}", flush=True)
+
+
+def _progress_line(p: dict) -> str:
+    if "step" not in p:
+        return f"[rl-async] {p.get('phase', 'starting')} ..."
+    return (f"[rl-async] {p['phase']:<8} step {p['step']}/{p['max_steps']} v{p['version']} "
+            f"reward {p['reward']:.3f} staleness {p['staleness']:.2f} "
+            f"trainer wait {p['trainer_wait_seconds']:.1f}s "
+            f"discard {p['discard_fraction']:.3f}")
+
+
+def run_training(cfg: RunConfig, report: Report, summary_json: str | None) -> int:
+    _print_plan(cfg, report)
+    started = _init_ray(cfg)
+    import ray
+
+    from actors.controller import ControllerActor
+
+    controller = ControllerActor.options(name=f"{cfg.run.name}/controller").remote(
+        cfg, report.plan, [w.to_dict() for w in report.warnings])
+    run_ref = controller.run.remote()
+
+    def graceful(signum, _frame):
+        print(f"\n[rl-async] signal {signum}: stopping gracefully (drain, eval, summary)",
+              flush=True)
+        controller.request_stop.remote()
+
+    old = {s: signal.signal(s, graceful) for s in (signal.SIGTERM, signal.SIGINT)}
+    tty = sys.stdout.isatty()
+    last_line, last_print = "", 0.0
+    try:
+        while True:
+            ready, _ = ray.wait([run_ref], timeout=POLL_S)
+            if ready:
+                break
+            line = _progress_line(ray.get(controller.progress.remote()))
+            if tty:
+                print("\r" + line.ljust(110), end="", flush=True)
+            elif line != last_line and time.monotonic() - last_print > 5:
+                print(line, flush=True)
+                last_line, last_print = line, time.monotonic()
+        if tty:
+            print()
+        try:
+            summary = ray.get(run_ref)
+            code = 0
+        except Exception as exc:  # the run failed: report the cause, keep the ledger
+            summary = ray.get(controller.failure_summary.remote()) or {}
+            summary["error"] = _cause(exc)
+            code = 1
+            print(f"[rl-async] run failed: {summary['error']}", file=sys.stderr, flush=True)
+        _write_summary(summary, summary_json)
+        return code
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if started:
+            ray.shutdown()
+
+
+def _cause(exc: BaseException) -> str:
+    cause = getattr(exc, "cause", None) or exc
+    text = f"{type(cause).__name__}: {cause}"
+    return text.strip().splitlines()[-1] if len(text) > 2000 else text
+
+
+def _write_summary(summary: dict, path: str | None) -> None:
+    text = json.dumps(summary, indent=2, default=str)
+    print("[rl-async] summary:\n" + text, flush=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text + "\n")

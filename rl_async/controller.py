@@ -1,0 +1,207 @@
+"""The controller loop: owns the policy version, collections, publication, eval and drains.
+
+    evaluate(v=0) --> start producer
+      loop until run.max_steps optimizer updates:
+        [sync: allow one collection]  get rollout_batch_size groups at version v  (trainer wait)
+        train the collection (k optimizer updates)      v += k
+        publish v to every engine (Publisher state machine)
+        metrics -> logger;  [eval every N with a lifecycle drain];  [checkpoint]
+      shutdown drain (nothing owned is lost) --> evaluate(final) --> summary
+
+Everything remote goes through the `Fleet` protocol (Ray actor handles in actors/), so this
+loop has no Ray in it. Failures are never waited out: the collection wait races the producer
+task, and a dead producer, engine, reward or buffer actor ends the run with its cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from rl_async.capacity import CapacityPlan
+from rl_async.config import RunConfig
+from rl_async.publish import PublicationOps, Publisher
+from rl_async.types import Group
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on an error; the message names the component and the cause."""
+
+
+class Fleet(PublicationOps, Protocol):
+    async def producer_task(self) -> asyncio.Future: ...
+    async def producer_set_target(self, groups: float) -> None: ...
+    async def producer_pause_admission(self) -> None: ...
+    async def producer_resume_admission(self) -> None: ...
+    async def producer_wait_idle(self, timeout_s: float) -> bool: ...
+    async def producer_stop(self) -> None: ...
+    async def get_groups(self, n: int, version: int) -> list[Group]: ...
+    async def buffer_set_version(self, version: int) -> None: ...
+    async def buffer_reserve(self, n_groups: int) -> None: ...
+    async def producer_groups_owned(self) -> int: ...
+    async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
+    async def evaluate(self) -> float: ...
+    async def checkpoint(self, step: int, version: int) -> None: ...
+    async def metrics(self) -> dict[str, float]: ...
+    async def ledger(self) -> dict[str, int]: ...
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    version: int = 0
+    reward: float = 0.0
+    staleness: float = 0.0
+    trainer_wait_seconds: float = 0.0
+    discard_fraction: float = 0.0
+    initial_eval: float | None = None
+    final_eval: float | None = None
+    useful_tokens: int = 0
+    max_staleness: int = 0
+    staleness_sum: int = 0
+    staleness_groups: int = 0
+    phase: str = "starting"
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
+                 log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0):
+        self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
+        self.version = 0
+        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s)
+        self.progress = Progress()
+        self.watchdog_s = watchdog_s
+        self._producer: asyncio.Future | None = None
+        self._start = 0.0
+        # Set by a graceful stop request: finish the current collection, drain, summarise.
+        self.stop_requested = False
+
+    async def run(self) -> dict[str, Any]:
+        self._start = time.monotonic()
+        p = self.progress
+        p.phase = "eval"
+        p.initial_eval = await self.fleet.evaluate()
+        self.log({"eval/reward": p.initial_eval}, 0)
+        self._producer = await self.fleet.producer_task()
+        p.phase = "training"
+        try:
+            while p.step < self.cfg.run.max_steps and not self.stop_requested:
+                await self._one_collection()
+        except BaseException:
+            # No drain after a failure: the actor that failed may be the one a drain waits
+            # on. The driver reports the cause and the ledger as it stands.
+            p.phase = "failed"
+            raise
+        p.phase = "draining"
+        await self._shutdown_drain()
+        p.phase = "eval"
+        p.final_eval = await self.fleet.evaluate()
+        self.log({"eval/reward": p.final_eval}, p.step)
+        p.phase = "done"
+        return await self.summary()
+
+    async def _one_collection(self) -> None:
+        p = self.progress
+        if not self.cfg.fully_async:
+            await self.fleet.producer_set_target(self.plan.rollout_batch_size)
+        wait_start = time.monotonic()
+        groups = await self._get_collection()
+        wait = time.monotonic() - wait_start
+        train_metrics = await self.fleet.train(groups, self.version)
+        self.version += self.plan.optimizer_steps_per_collection
+        p.step += self.plan.optimizer_steps_per_collection
+        pub = await self.publisher.publish(self.version, self.fleet)
+        await self.fleet.buffer_set_version(self.version)
+        metrics = {**train_metrics, **pub.metrics(), **await self.fleet.metrics()}
+        metrics.update(self._collection_metrics(groups, wait))
+        self.log(metrics, p.step)
+        p.history.append({"step": p.step, "reward": metrics["rollout/reward_mean"]})
+        every = self.cfg.eval.every_steps
+        if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
+            await self._evaluate_with_drain()
+        ce = self.cfg.run.checkpoint_every
+        if ce and p.step % ce == 0:
+            await self.fleet.checkpoint(p.step, self.version)
+
+    def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
+        p = self.progress
+        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
+        ages = [g.age_at_delivery for g in groups if g.age_at_delivery is not None]
+        tokens = sum(g.response_tokens for g in groups)
+        p.version = self.version
+        p.reward = sum(rewards) / max(1, len(rewards))
+        p.staleness = sum(ages) / len(ages) if ages else 0.0
+        p.max_staleness = max([p.max_staleness, *ages])
+        p.staleness_sum += sum(ages)
+        p.staleness_groups += len(ages)
+        p.trainer_wait_seconds += wait
+        p.useful_tokens += tokens
+        elapsed = max(1e-9, time.monotonic() - self._start)
+        return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
+                "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
+                "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
+                "policy/version": float(self.version)}
+
+    async def _get_collection(self) -> list[Group]:
+        """Wait for a collection while watching the producer: a dead producer (or an engine,
+        reward or source actor it depends on) ends the wait with its cause."""
+        get = asyncio.ensure_future(self.fleet.get_groups(self.plan.rollout_batch_size,
+                                                          self.version))
+        waited = 0.0
+        while True:
+            done, _ = await asyncio.wait({get, self._producer}, timeout=self.watchdog_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                return get.result()
+            if self._producer in done:
+                get.cancel()
+                exc = self._producer.exception() if not self._producer.cancelled() else None
+                raise RunFailed(f"the producer stopped while the trainer waited for a "
+                                f"collection: {type(exc).__name__}: {exc}") from exc
+            waited += self.watchdog_s
+            self.log({"watchdog/no_progress_seconds": waited}, self.progress.step)
+
+    async def _evaluate_with_drain(self) -> None:
+        """Lifecycle drain: open no new group, let owned groups land (in reserved buffer
+        room), evaluate the current policy, resume."""
+        await self._reserve_for_owned()
+        try:
+            await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)
+            score = await self.fleet.evaluate()
+            self.log({"eval/reward": score}, self.progress.step)
+        finally:
+            await self.fleet.producer_resume_admission()
+            await self.fleet.buffer_reserve(0)
+
+    async def _reserve_for_owned(self) -> None:
+        """Stop opening groups, then reserve buffer room for every group the producer owns:
+        with admission closed that count can only fall, so every owned group fits."""
+        await self.fleet.producer_pause_admission()
+        await self.fleet.buffer_reserve(await self.fleet.producer_groups_owned())
+
+    async def _shutdown_drain(self) -> None:
+        """Graceful stop: no new groups; owned groups finish into reserved room or, past the
+        drain timeout, are aborted (and counted). Nothing owned is lost."""
+        await self._reserve_for_owned()
+        if not await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s):
+            await self.fleet.pause_engines("abort")
+            await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)
+            await self.fleet.continue_engines()
+        await self.fleet.producer_stop()
+
+    async def summary(self) -> dict[str, Any]:
+        p = self.progress
+        wall = time.monotonic() - self._start
+        return {
+            "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
+            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval},
+            "ledger": await self.fleet.ledger(),
+            "staleness": {"max_delivered": p.max_staleness,
+                          "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
+                          "max_weight_staleness": self.plan.max_weight_staleness},
+            "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
+                           "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
+        }

@@ -1,0 +1,318 @@
+"""The producer: turns prompts into completed, rewarded groups under the SPEC §4 limits.
+
+    source.next_group --[producer budget]--> per-sample tasks --[generation semaphore]-->
+        engine.generate --(release semaphore)--> reward --> all siblings done --> buffer.put
+
+Limits, all read from the capacity plan (never recomputed here):
+- producer budget, in whole groups: `group` granularity holds `group_size` permits until the
+  group is inserted into the buffer (ownership passes on insertion); `sample` granularity
+  frees each sample's permit as soon as that sample is generated and rewarded (backfill).
+- one global generation semaphore of `http_slots` = server_concurrency x engines, held only
+  around the generation call; rewards run after releasing it.
+- a full buffer blocks insertion, hence new submissions: no new group is opened while a
+  completed group waits for room. Requests already submitted still finish.
+
+Group lifecycle here: opened -> generating -> rewarded -> inserted | aborted | failed.
+An aborted sample (publication drain past its timeout, shutdown) aborts its group attempt; a
+reward error or a rejected request fails the group with the error. Both are reported to
+the ledger, which regenerates aborted prompts from the original prompt. Any other exception
+(a dead engine or buffer actor) is fatal: `run()` raises it, so the controller stops with
+the cause instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from rl_async.engine.base import EngineError, GenerateOutput
+from rl_async.types import Group, Sample
+
+
+@dataclass
+class ProducerLimits:
+    granularity: str          # "group" | "sample"
+    producer_samples: int     # budget in samples, a whole number of groups
+    group_size: int
+    http_slots: int           # global generation semaphore
+
+
+@dataclass
+class _OpenGroup:
+    group: Group
+    next_index: int = 0       # samples submitted so far (sample granularity)
+    done: int = 0
+    aborted: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
+class ProducerStats:
+    submitted_samples: int = 0
+    generated_tokens: int = 0
+    aborted_samples: int = 0
+    aborted_tokens: int = 0
+    inserted_groups: int = 0
+    aborted_groups: int = 0
+    failed_groups: int = 0
+    generation_seconds: float = 0.0
+    put_wait_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Producer:
+    def __init__(self, limits: ProducerLimits, *,
+                 next_group: Callable[[], Awaitable[Group]],
+                 generate: Callable[[Sample, str], Awaitable[GenerateOutput]],
+                 score: Callable[[Sample], Awaitable[float]],
+                 put: Callable[[Group], Awaitable[None]],
+                 on_aborted: Callable[[Group], Awaitable[None]],
+                 on_failed: Callable[[Group, str], Awaitable[None]],
+                 group_errors: tuple[type[BaseException], ...] = ()):
+        if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
+            raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
+                             f"number of groups of {limits.group_size}")
+        self.limits = limits
+        self._next_group, self._generate, self._score, self._put = next_group, generate, score, put
+        self._on_aborted, self._on_failed = on_aborted, on_failed
+        self._group_errors = group_errors
+        self._budget = asyncio.Semaphore(limits.producer_samples)
+        self._gen_sem = asyncio.Semaphore(limits.http_slots)
+        self._gate = asyncio.Event()        # admission of new groups
+        self._gate.set()
+        self._gen_gate = asyncio.Event()    # submission of generation requests
+        self._gen_gate.set()
+        self._gen_idle = asyncio.Event()    # no generation request outstanding
+        self._gen_idle.set()
+        self._no_pending_put = asyncio.Event()
+        self._no_pending_put.set()
+        self._pending_puts = 0
+        self._open: _OpenGroup | None = None
+        self._groups_in_flight = 0
+        self._samples_in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._target: float = math.inf  # groups to insert before stopping (sync mode)
+        self._tasks: set[asyncio.Task] = set()
+        self._fatal: BaseException | None = None
+        self._stopped = False
+        self.stats = ProducerStats()
+
+    # ---- control (called by the controller) -------------------------------------------
+    def pause_admission(self) -> None:
+        """Lifecycle drain: open no new group. Groups already opened still finish (their
+        remaining siblings are submitted), so `wait_idle()` ends with nothing owned."""
+        self._gate.clear()
+
+    def resume_admission(self) -> None:
+        self._gate.set()
+
+    def pause_generation(self) -> None:
+        """Publication drain (refresh off): send no new generation request to any engine.
+        Requests already sent finish under the weights they started with."""
+        self._gen_gate.clear()
+
+    def resume_generation(self) -> None:
+        self._gen_gate.set()
+
+    async def drain_generation(self, timeout_s: float) -> bool:
+        """Wait until no generation request is outstanding; False if `timeout_s` passed."""
+        try:
+            await asyncio.wait_for(self._gen_idle.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def set_target(self, groups: float) -> None:
+        """Synchronous mode: insert exactly this many more groups, then stop submitting."""
+        self._target = self.stats.inserted_groups + groups
+
+    async def wait_idle(self) -> None:
+        """Wait until no group is in flight (all inserted, aborted or failed)."""
+        await self._idle.wait()
+        self._raise_fatal()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._gate.set()
+        self._gen_gate.set()
+
+    @property
+    def groups_owned(self) -> int:
+        """An upper bound on groups opened and not yet inserted, aborted or failed: the ones
+        in flight plus one the admission loop may be fetching right now (it passed the gate
+        before a pause)."""
+        return self._groups_in_flight + 1
+
+    def load(self) -> dict[str, float]:
+        return {"groups_in_flight": self._groups_in_flight,
+                "samples_in_flight": self._samples_in_flight,
+                "pending_puts": self._pending_puts,
+                "paused": float(not self._gate.is_set())}
+
+    # ---- main loop ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Submit work until stopped. Raises the first fatal error (e.g. a dead actor)."""
+        try:
+            while not self._stopped:
+                self._raise_fatal()
+                if self.limits.granularity == "group":
+                    await self._admit_group()
+                else:
+                    await self._admit_sample()
+        finally:
+            self._raise_fatal()
+
+    def _raise_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def _wait_admissible(self) -> bool:
+        """Gate open, no completed group waiting for buffer room, sync target not reached."""
+        while True:
+            await self._gate.wait()
+            await self._no_pending_put.wait()
+            if self._stopped or self._fatal is not None:
+                return False
+            if self.stats.inserted_groups + self._groups_in_flight < self._target:
+                return True
+            await asyncio.sleep(0.01)
+
+    async def _open_group(self) -> _OpenGroup | None:
+        if not await self._wait_admissible():
+            return None
+        group = await self._next_group()
+        if group.size != self.limits.group_size:
+            raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
+                             f"rollout.n_samples_per_prompt = {self.limits.group_size}")
+        self._groups_in_flight += 1
+        self._idle.clear()
+        return _OpenGroup(group)
+
+    async def _admit_group(self) -> None:
+        for _ in range(self.limits.group_size):
+            await self._budget.acquire()
+        og = await self._open_group()
+        if og is None:
+            self._release_budget(self.limits.group_size)
+            return
+        self._spawn(self._run_group(og))
+
+    async def _admit_sample(self) -> None:
+        await self._budget.acquire()
+        if self._open is None or self._open.next_index >= self.limits.group_size:
+            self._open = await self._open_group()
+            if self._open is None:
+                self._release_budget(1)
+                return
+        og = self._open
+        index = og.next_index
+        og.next_index += 1
+        self._spawn(self._run_sample_backfill(og, index))
+
+    def _release_budget(self, n: int) -> None:
+        for _ in range(n):
+            self._budget.release()
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and self._fatal is None:
+            self._fatal = task.exception()
+            self._gate.set()  # wake the admission loop so run() raises
+
+    # ---- per-group / per-sample work ------------------------------------------------------
+    async def _run_group(self, og: _OpenGroup) -> None:
+        try:
+            og.next_index = self.limits.group_size
+            await asyncio.gather(*(self._run_sample(og, i) for i in range(self.limits.group_size)))
+            await self._finish(og)
+        finally:
+            self._release_budget(self.limits.group_size)
+
+    async def _run_sample_backfill(self, og: _OpenGroup, index: int) -> None:
+        try:
+            await self._run_sample(og, index)
+        finally:
+            self._release_budget(1)
+        if og.done == self.limits.group_size:
+            await self._finish(og)
+
+    async def _run_sample(self, og: _OpenGroup, index: int) -> None:
+        sample = og.group.samples[index]
+        try:
+            if not (og.aborted or og.error):
+                await self._generate_sample(og, sample)
+            if not (og.aborted or og.error):
+                sample.reward = await self._score(sample)
+        except self._group_errors as exc:
+            og.error = og.error or exc
+        finally:
+            og.done += 1
+
+    async def _generate_sample(self, og: _OpenGroup, sample: Sample) -> None:
+        async with self._gen_sem:
+            # Re-check the gate after getting a permit: a publication may have started while
+            # this sample waited, and no request may reach an engine during the transfer.
+            while not self._gen_gate.is_set():
+                await self._gen_gate.wait()
+            self._samples_in_flight += 1
+            self._gen_idle.clear()
+            self.stats.submitted_samples += 1
+            start = time.monotonic()
+            try:
+                out = await self._generate(sample, og.group.group_id)
+            finally:
+                self._samples_in_flight -= 1
+                if self._samples_in_flight == 0:
+                    self._gen_idle.set()
+                self.stats.generation_seconds += time.monotonic() - start
+        if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
+            raise EngineError(
+                f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "
+                f"tokens, {len(out.output_logprobs)} log-probs, {len(out.token_versions)} versions")
+        sample.response_ids = list(out.output_ids)
+        sample.behavior_logprobs = list(out.output_logprobs)
+        sample.token_versions = list(out.token_versions)
+        sample.finish_reason = out.finish_reason
+        if out.finish_reason == "abort":
+            og.aborted = True
+            self.stats.aborted_samples += 1
+            self.stats.aborted_tokens += len(out.output_ids)
+        else:
+            self.stats.generated_tokens += len(out.output_ids)
+
+    async def _finish(self, og: _OpenGroup) -> None:
+        try:
+            if og.error is not None:
+                self.stats.failed_groups += 1
+                await self._on_failed(og.group, f"{type(og.error).__name__}: {og.error}")
+            elif og.aborted:
+                self.stats.aborted_groups += 1
+                await self._on_aborted(og.group)
+            else:
+                await self._insert(og.group)
+        finally:
+            self._groups_in_flight -= 1
+            if self._groups_in_flight == 0:
+                self._idle.set()
+
+    async def _insert(self, group: Group) -> None:
+        self._pending_puts += 1
+        self._no_pending_put.clear()
+        start = time.monotonic()
+        try:
+            await self._put(group)
+            self.stats.inserted_groups += 1
+        finally:
+            self.stats.put_wait_seconds += time.monotonic() - start
+            self._pending_puts -= 1
+            if self._pending_puts == 0:
+                self._no_pending_put.set()

@@ -1,0 +1,121 @@
+"""Actor wiring on the shared local cluster: short async and sync runs, publication, death."""
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+
+from launch.run import run_training
+from rl_async.checks import validate
+from rl_async.config_load import load_config
+
+pytestmark = pytest.mark.ray
+
+SMALL = ["run.max_steps=4", "wandb.mode=disabled", "rollout.rollout_batch_size=4",
+         "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+         "train.micro_batch_size=16", "task.num_eval_prompts=8", "sglang.max_running_requests=8"]
+
+
+def small(path, *extra, name):
+    cfg = load_config(path, [*SMALL, f"run.name={name}", *extra])
+    return cfg, validate(cfg)
+
+
+def run(cfg, report, tmp_path):
+    out = tmp_path / "summary.json"
+    code = run_training(cfg, report, str(out))
+    return code, json.loads(out.read_text())
+
+
+def assert_ledger_closed(summary):
+    ledger = summary["ledger"]
+    assert ledger["unaccounted"] == 0
+    others = sum(v for k, v in ledger.items() if k not in ("submitted_groups", "unaccounted"))
+    assert ledger["submitted_groups"] == others > 0
+
+
+def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
+    cfg, report = small("cluster_configs/local.toml", "async.max_weight_staleness=1",
+                        name="t-async")
+    code, summary = run(cfg, report, tmp_path)
+    assert code == 0, summary
+    assert summary["steps"] == 4 and summary["policy_version"] == 4
+    assert_ledger_closed(summary)
+    assert summary["ledger"]["delivered_groups"] == 4 * 4
+    # Staleness never exceeds the lag in delivered groups.
+    assert summary["staleness"]["max_delivered"] <= 1
+    assert 0 <= summary["eval"]["initial_reward"] <= 1
+
+
+def test_short_sync_run_is_on_policy(ray_cluster, tmp_path):
+    cfg, report = small("cluster_configs/dev.toml", name="t-sync")
+    assert not cfg.fully_async
+    code, summary = run(cfg, report, tmp_path)
+    assert code == 0, summary
+    assert_ledger_closed(summary)
+    assert summary["staleness"]["max_delivered"] == 0
+    # Synchronous: exactly one collection generated per update, nothing left over.
+    assert summary["ledger"]["buffered_groups"] == 0
+    assert summary["ledger"]["submitted_groups"] == summary["ledger"]["delivered_groups"] == 16
+
+
+def test_publication_makes_engine_weights_equal_trainer_weights(ray_cluster):
+    from actors.fleet import RayFleet
+
+    cfg, report = small("cluster_configs/local.toml", "cluster.cpu_engines=2",
+                        "cluster.engine_cpus=0.5", name="t-publish")
+
+    async def main():
+        fleet = RayFleet(cfg, report.plan)
+        try:
+            await fleet.start()
+            producer = await fleet.producer_task()
+            groups = await fleet.get_groups(4, 0)
+            for g in groups:  # distinct rewards: nonzero advantages, so training moves weights
+                for i, sample in enumerate(g.samples):
+                    sample.reward = float(i % 2)
+            await fleet.train(groups, 0)
+            before = await fleet.engines[0].named_weights.remote()
+            trainer = dict(await fleet.trainers[0].named_weights.remote())
+            assert any(not torch.equal(t, trainer[n]) for n, t in before)  # training moved it
+            await fleet.stop_submissions()
+            await fleet.drain(30)
+            sent = await fleet.transfer(1)
+            await fleet.resume_submissions()
+            assert sent > 0
+            for engine in fleet.engines:
+                got = dict(await engine.named_weights.remote())
+                assert got.keys() == trainer.keys()
+                assert all(torch.equal(got[n], trainer[n]) for n in trainer)
+                assert await engine.get_weight_version.remote() == 1
+            await fleet.producer_stop()
+            producer.cancel()
+        finally:
+            await fleet.shutdown()
+
+    asyncio.run(main())
+
+
+def test_killing_an_engine_mid_run_ends_in_a_clear_error(ray_cluster, tmp_path):
+    import ray
+
+    from actors.controller import ControllerActor
+
+    cfg, report = small("cluster_configs/local.toml", "run.max_steps=1000", name="t-kill")
+    controller = ControllerActor.remote(cfg, report.plan, [])
+    ref = controller.run.remote()
+    deadline = time.monotonic() + 120
+    while ray.get(controller.progress.remote()).get("step", 0) < 2:
+        assert time.monotonic() < deadline, "the run never started"
+        time.sleep(0.5)
+    ray.kill(ray.get_actor("t-kill/engine-0"))
+    killed = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError) as exc:
+        ray.get(ref, timeout=60)
+    assert time.monotonic() - killed < 60
+    assert "engine" in str(exc.value) and "died" in str(exc.value)
+    partial = ray.get(controller.failure_summary.remote())
+    assert partial["ledger"]["unaccounted"] == 0
+    ray.kill(controller)

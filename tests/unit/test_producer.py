@@ -1,0 +1,216 @@
+"""Producer limits (SPEC §4) with in-process fakes for the source, engines, reward and buffer."""
+
+import asyncio
+
+import pytest
+
+from rl_async.engine.base import EngineError, GenerateOutput
+from rl_async.producer import Producer, ProducerLimits
+from rl_async.rewards import RewardError
+from rl_async.types import Group, Sample
+
+
+class World:
+    def __init__(self, group_size=2, buffer_room=1000, gen_delay=0.001, abort_ids=()):
+        self.group_size = group_size
+        self.cursor = 0
+        self.inflight = 0
+        self.max_inflight = 0
+        self.buffer: list[Group] = []
+        self.buffer_room = buffer_room
+        self.room = asyncio.Condition()
+        self.aborted: list[Group] = []
+        self.failed: list[tuple[Group, str]] = []
+        self.gen_delay = gen_delay
+        self.abort_ids = set(abort_ids)
+        self.version = 0
+        self.opened: list[str] = []
+
+    async def next_group(self):
+        c = self.cursor
+        self.cursor += 1
+        self.opened.append(f"g{c}")
+        return Group(f"g{c}", [Sample(prompt_id=f"p{c}", prompt_ids=[1, 2]) for _ in range(self.group_size)])
+
+    async def generate(self, sample, group_id):
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            await asyncio.sleep(self.gen_delay)
+        finally:
+            self.inflight -= 1
+        reason = "abort" if group_id in self.abort_ids else "stop"
+        return GenerateOutput(request_id="r", output_ids=[5, 6], output_logprobs=[-0.1, -0.2],
+                              token_versions=[self.version] * 2, finish_reason=reason)
+
+    async def score(self, sample):
+        return 1.0
+
+    async def put(self, group):
+        async with self.room:
+            await self.room.wait_for(lambda: len(self.buffer) < self.buffer_room)
+            self.buffer.append(group)
+
+    async def take(self, n):
+        async with self.room:
+            out, self.buffer = self.buffer[:n], self.buffer[n:]
+            self.room.notify_all()
+            return out
+
+    async def on_aborted(self, g):
+        self.aborted.append(g)
+
+    async def on_failed(self, g, err):
+        self.failed.append((g, err))
+
+    def producer(self, granularity="sample", budget=4, http=100, **kw):
+        return Producer(ProducerLimits(granularity, budget, self.group_size, http),
+                        next_group=self.next_group, generate=self.generate, score=self.score,
+                        put=self.put, on_aborted=self.on_aborted, on_failed=self.on_failed,
+                        group_errors=(EngineError, RewardError), **kw)
+
+
+async def run_for(producer, seconds):
+    task = asyncio.create_task(producer.run())
+    await asyncio.sleep(seconds)
+    return task
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_budget_and_semaphore_bound_in_flight(granularity):
+    async def main():
+        w = World(group_size=2)
+        p = w.producer(granularity, budget=4, http=3)
+        task = await run_for(p, 0.2)
+        p.stop()
+        await task
+        assert w.max_inflight <= 3          # generation semaphore
+        assert len(w.buffer) > 4            # it produced, and whole groups arrived
+        assert all(g.size == 2 and all(s.reward == 1.0 for s in g.samples) for g in w.buffer)
+    asyncio.run(main())
+
+
+def test_budget_bounds_when_semaphore_is_wide():
+    async def main():
+        w = World(group_size=2)
+        p = w.producer("group", budget=4, http=100)
+        task = await run_for(p, 0.1)
+        p.stop()
+        await task
+        assert w.max_inflight <= 4
+    asyncio.run(main())
+
+
+def test_full_buffer_blocks_new_submissions():
+    async def main():
+        w = World(group_size=2, buffer_room=2)
+        p = w.producer("sample", budget=4, http=100)
+        task = await run_for(p, 0.2)
+        opened = len(w.opened)
+        await asyncio.sleep(0.1)
+        # Buffer full: one completed group waits for room; no new group opened meanwhile.
+        assert len(w.buffer) == 2 and len(w.opened) == opened <= 4
+        await w.take(2)
+        await asyncio.sleep(0.1)
+        assert len(w.opened) > opened
+        p.stop()
+        await w.take(100)
+        await task
+    asyncio.run(main())
+
+
+def test_sync_target_inserts_exactly_n_groups():
+    async def main():
+        w = World(group_size=2)
+        p = w.producer("sample", budget=4, http=100)
+        p.set_target(3)
+        task = await run_for(p, 0.2)
+        await p.wait_idle()
+        assert len(w.buffer) == 3
+        p.set_target(2)
+        await asyncio.sleep(0.2)
+        await p.wait_idle()
+        assert len(w.buffer) == 5
+        p.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_aborted_group_reported_not_inserted():
+    async def main():
+        w = World(group_size=2, abort_ids={"g0"})
+        p = w.producer("group", budget=2, http=100)
+        p.set_target(2)
+        task = await run_for(p, 0.2)
+        await p.wait_idle()
+        assert [g.group_id for g in w.aborted] == ["g0"]
+        assert [g.group_id for g in w.buffer] == ["g1", "g2"]  # target counts inserted groups
+        p.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_reward_error_fails_group_with_cause():
+    async def main():
+        w = World(group_size=2)
+
+        async def bad_score(sample):
+            raise RewardError("reward function f failed on prompt 'p0': boom")
+        w.score = bad_score
+        p = w.producer("group", budget=2, http=100)
+        p.set_target(1)
+        task = await run_for(p, 0.05)
+        p.stop()
+        await task
+        assert w.failed and "boom" in w.failed[0][1]
+        assert not w.buffer
+    asyncio.run(main())
+
+
+def test_fatal_error_surfaces_from_run():
+    async def main():
+        w = World(group_size=2)
+
+        async def dead(sample, gid):
+            raise RuntimeError("engine-0 died")
+        w.generate = dead
+        p = w.producer("sample", budget=2, http=100)
+        with pytest.raises(RuntimeError, match="engine-0 died"):
+            await asyncio.wait_for(p.run(), 5)
+    asyncio.run(main())
+
+
+def test_generation_gate_drains_and_blocks_requests():
+    async def main():
+        w = World(group_size=2, gen_delay=0.05)
+        p = w.producer("sample", budget=4, http=100)
+        task = await run_for(p, 0.02)
+        p.pause_generation()
+        assert await p.drain_generation(5.0)
+        assert w.inflight == 0
+        before = len(w.buffer)
+        await asyncio.sleep(0.15)
+        assert w.inflight == 0 and len(w.buffer) <= before + 2
+        p.resume_generation()
+        await asyncio.sleep(0.2)
+        assert len(w.buffer) > before
+        p.stop()
+        await task
+    asyncio.run(main())
+
+
+def test_malformed_engine_reply_fails_the_group_with_its_cause():
+    async def main():
+        w = World(group_size=1)
+
+        async def bad(sample, gid):
+            return GenerateOutput("r", [1, 2], [-0.1], [0, 0], "stop")
+        w.generate = bad
+        p = w.producer("sample", budget=1, http=1)
+        p.set_target(1)
+        task = await run_for(p, 0.05)
+        p.stop()
+        await task
+        assert not w.buffer
+        assert "malformed" in w.failed[0][1] and "2 tokens, 1 log-probs" in w.failed[0][1]
+    asyncio.run(main())
