@@ -79,6 +79,8 @@ class RayFleet:
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
                                   max_concurrency=1)
+        if cfg.judge.enabled:  # the reward actor grades through it, so it comes first
+            await self._start_judge()
         self.reward = self._named(RewardActor, "reward", cfg, num_cpus=0)
         self.buffer = self._named(BufferActor, "completed-buffer", cfg, plan, self.source,
                                   num_cpus=0)
@@ -87,19 +89,32 @@ class RayFleet:
         await asyncio.gather(*(e.start.remote() for e in self.engines))
         addr, port = await self.trainers[0].address.remote()
         await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
+        self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
         await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
         await self.transfer(0)  # engines start from exactly the trainer's weights
 
     async def _init_publication_group(self) -> None:
         addr, port = await self.trainers[0].address.remote()
-        world = 1 + len(self.engines)
+        # Every tensor-parallel rank of an engine joins: engine i holds group ranks
+        # 1 + i*tp ... (i+1)*tp; the trainer's rank 0 is the source.
+        tp = self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
+        world = 1 + len(self.engines) * tp
         backend = "nccl" if self.cfg.cluster.trainer_gpus else "gloo"
         await asyncio.gather(
             self.trainers[0].init_publication_group.remote(addr, port, world, backend),
-            *(e.init_weights_update_group.remote(addr, port, 1 + i, world, PUBLICATION_GROUP,
-                                                 backend)
+            *(e.init_weights_update_group.remote(addr, port, 1 + i * tp, world,
+                                                 PUBLICATION_GROUP, backend)
               for i, e in enumerate(self.engines)))
+
+    async def _start_judge(self) -> None:
+        from actors.judges import deploy_judge  # imports Ray Serve only when judging
+        from rl_async.judging import judge_deployment
+
+        dep = judge_deployment(self.cfg.judge, self.cfg.run.name)
+        self.judge_app = dep.app_name
+        # serve.run blocks until min_replicas are up; keep the driver's loop free meanwhile.
+        await asyncio.to_thread(deploy_judge, dep)
 
     async def shutdown(self) -> None:
         if getattr(self, "engines", None):
@@ -109,6 +124,10 @@ class RayFleet:
             ray.kill(actor, no_restart=True)
         for pg in self.pgs:
             remove_placement_group(pg)
+        if getattr(self, "judge_app", None):
+            from actors.judges import delete_judge
+
+            await asyncio.to_thread(delete_judge, self.judge_app)
 
     # ---- producer ----------------------------------------------------------------------------
     async def producer_task(self) -> asyncio.Future:
@@ -144,10 +163,9 @@ class RayFleet:
         return await self.producer.groups_owned.remote()
 
     async def train(self, groups: list[Group], version: int) -> dict[str, float]:
-        world = len(self.trainers)
-        shards = [groups[r::world] for r in range(world)]
-        results = await asyncio.gather(*(t.train.remote(shards[r], version)
-                                         for r, t in enumerate(self.trainers)))
+        # One shard per data-parallel rank; tensor/pipeline ranks of a replica share it.
+        results = await asyncio.gather(*(t.train.remote(groups[dp::size], version)
+                                         for t, (dp, size) in zip(self.trainers, self.dp_ranks)))
         return results[0]
 
     async def evaluate(self) -> float:
@@ -189,7 +207,10 @@ class RayFleet:
     async def transfer(self, version: int) -> int:
         flat = self.cfg.engine.backend == "embedded"
         publisher = self.trainers[0]
-        metas = await publisher.prepare_publication.remote(self.cfg.publication.bucket_bytes, flat)
+        bucket_bytes = self.cfg.publication.bucket_bytes
+        ranks = self.trainers if self.cfg.train.backend == "megatron" else [publisher]
+        metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
+                                        for t in ranks)))[0]
         sent = 0
         for i, (names, dtypes, shapes, nbytes) in enumerate(metas):
             last = i == len(metas) - 1

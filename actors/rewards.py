@@ -1,11 +1,15 @@
 """Reward actor: runs the configured reward function (`module:function`, sync or async)
-with its timeout, bounded retries and concurrency cap (rl_async.rewards.RewardRunner)."""
+with its timeout, bounded retries and concurrency cap (rl_async.rewards.RewardRunner).
+
+With `judge.enabled` it grades through the run's Ray Serve judge deployment instead (started
+by the fleet before this actor), under the judge's own timeout and retries."""
 
 from __future__ import annotations
 
 import ray
 
 from rl_async.config import RunConfig
+from rl_async.judging import judge_app_name
 from rl_async.rewards import RewardRunner, load_callable
 from rl_async.tasks import default_reward_path
 from rl_async.types import Sample
@@ -14,8 +18,15 @@ from rl_async.types import Sample
 @ray.remote(num_cpus=0)
 class RewardActor:
     def __init__(self, cfg: RunConfig):
-        path = cfg.reward.function or default_reward_path(cfg.task)
-        r = cfg.reward
+        r, j = cfg.reward, cfg.judge
+        if j.enabled:
+            from actors.judges import judge_scorer  # imports Ray Serve only when judging
+
+            app = judge_app_name(cfg.run.name)
+            self.runner = RewardRunner(judge_scorer(app), f"judge {j.judge_class} (Serve app "
+                                       f"{app!r})", j.timeout_s, j.max_retries, r.concurrency)
+            return
+        path = r.function or default_reward_path(cfg.task)
         self.runner = RewardRunner(load_callable(path), path, r.timeout_s, r.max_retries,
                                    r.concurrency)
 

@@ -27,12 +27,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
+    """megatron-core trainer: loads the HF weights (local path or config + seed) on CPU and
+    converts them into a TP/PP-sharded GPTModel; torch.distributed must be initialised."""
+    from rl_async.engine.models import build_causal_lm
+    from rl_async.train import megatron_model as mm
+    from rl_async.train.megatron_backend import MegatronTrainer, MegatronTrainerConfig
+
+    t = cfg.train
+    hf = build_causal_lm(cfg.model.hf_config, cfg.model.path, cfg.model.init_seed, "float32")
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    parallel = mm.MegatronParallelConfig(
+        tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
+        params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
+        seed=cfg.model.init_seed)
+    return MegatronTrainer(hf.config, state, MegatronTrainerConfig(
+        parallel=parallel, global_batch_size=plan.global_batch_size,
+        micro_batch_size=t.micro_batch_size, lr=t.lr, weight_decay=t.weight_decay,
+        clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
+        eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
+        advantage_estimator=t.advantage))
+
+
 def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
     t = cfg.train
     if t.backend == "megatron":
-        raise NotImplementedError(
-            "train.backend = 'megatron' is wired through rl_async.train.megatron_backend on GPU "
-            "clusters only; use train.backend = 'torch' here")
+        return build_megatron_trainer(cfg, plan)
     from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 
     return TorchTrainer(TorchTrainerConfig(
@@ -59,12 +79,25 @@ class TrainerWorker:
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> int:
-        if self.world > 1:
+        megatron = self.cfg.train.backend == "megatron"
+        if self.world > 1 or megatron:
             from rl_async.train.distributed import init_distributed
 
+            if self.cfg.cluster.trainer_gpus:
+                torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves one GPU visible
             init_distributed(master_addr, master_port, self.rank, self.world)
         self.trainer = build_trainer(self.cfg, self.plan, self.rank, self.world)
         return os.getpid()
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(rank, size) in the data-parallel group: which shard of a collection this rank
+        trains on. TP/PP ranks of one megatron replica share a shard."""
+        if self.cfg.train.backend == "megatron":
+            from megatron.core import parallel_state
+
+            return (parallel_state.get_data_parallel_rank(),
+                    parallel_state.get_data_parallel_world_size())
+        return self.rank, self.world
 
     def train(self, groups: list[Group], version: int) -> dict[str, float]:
         return self.trainer.train_collection(groups, version)
@@ -79,8 +112,11 @@ class TrainerWorker:
         """Snapshot the weights into buckets; returns each bucket's (names, dtypes, shapes,
         bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
         broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
+        # megatron gathers TP/PP shards collectively: every rank calls this, rank 0 sends.
         named = [(n, t.detach().clone()) for n, t in self.trainer.named_tensors_for_publication()]
         self._buckets = []
+        if self.rank != 0:
+            return []
         metas = []
         for bucket in bucket_named_tensors(named, bucket_bytes):
             flat_t, names, dtypes, shapes = flatten_bucket(bucket)

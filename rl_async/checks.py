@@ -66,6 +66,9 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         if cfg.model.path is None:
             errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
                           "the SGLang server loads); model.hf_config is for the embedded engine")
+    if cfg.engine.backend == "embedded" and c.inference_gpus and c.gpus_per_engine != 1:
+        errors.append(f"cluster.gpus_per_engine = {c.gpus_per_engine}: the embedded engine runs "
+                      f"on one GPU (no tensor parallelism); use engine.backend = 'sglang'")
     if cfg.train.backend == "megatron" and c.trainer_gpus == 0:
         errors.append("train.backend = 'megatron' needs cluster.trainer_gpus > 0")
     if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:

@@ -60,6 +60,10 @@ class ProducerStats:
     failed_groups: int = 0
     generation_seconds: float = 0.0
     put_wait_seconds: float = 0.0
+    # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
+    # responses whose tokens span more than one policy version.
+    refreshed_requests: int = 0
+    mixed_version_responses: int = 0
     extra: dict = field(default_factory=dict)
 
 
@@ -282,6 +286,9 @@ class Producer:
         sample.behavior_logprobs = list(out.output_logprobs)
         sample.token_versions = list(out.token_versions)
         sample.finish_reason = out.finish_reason
+        self.stats.refreshed_requests += int(out.refreshes > 0)
+        if out.token_versions and min(out.token_versions) != max(out.token_versions):
+            self.stats.mixed_version_responses += 1
         if out.finish_reason == "abort":
             og.aborted = True
             self.stats.aborted_samples += 1

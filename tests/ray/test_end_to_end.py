@@ -119,3 +119,14 @@ def test_killing_an_engine_mid_run_ends_in_a_clear_error(ray_cluster, tmp_path):
     partial = ray.get(controller.failure_summary.remote())
     assert partial["ledger"]["unaccounted"] == 0
     ray.kill(controller)
+
+
+def test_mixed_policy_refresh_run_loses_nothing(ray_cluster, tmp_path):
+    cfg, report = small("cluster_configs/local.toml", "refresh.mode=mixed_policy",
+                        "rollout.max_response_len=12", "run.max_steps=3", name="t-refresh")
+    assert report.ok, report.errors
+    code, summary = run(cfg, report, tmp_path)
+    assert code == 0, summary
+    assert_ledger_closed(summary)
+    # In-flight requests survive publications: nothing is aborted for an update.
+    assert summary["ledger"]["aborted_groups"] == 0
