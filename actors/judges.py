@@ -75,6 +75,9 @@ def deploy_judge(dep: JudgeDeployment, judge_class: str | type | None = None
                  ) -> DeploymentHandle:
     """Deploy (or update) the judge application and return its handle once min_replicas are
     running. `judge_class` overrides `dep.judge_class` with a class object (tests)."""
+    if isinstance(dep.judge_class, str) and judge_class is None:
+        # Fail here with the key named, not after Serve's replica-constructor retries.
+        load_callable(dep.judge_class, "judge.judge_class")
     # Handles only: no HTTP proxy, no port to collide with other runs on the cluster.
     serve.start(proxy_location="Disabled")
     app = serve.deployment(JudgeServer).options(

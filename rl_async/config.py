@@ -195,6 +195,15 @@ class JudgeSection(Section):
     max_ongoing_requests: PositiveInt = 8
     timeout_s: PositiveFloat = 30.0
     max_retries: int = Field(2, ge=0)
+    # Serve's defaults (upscale 30 s, downscale 600 s) suit web traffic; rollout bursts come
+    # and go within a training step, so judges react faster.
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    # Window of the ongoing-request average; keep it above Serve's 10 s metrics interval.
+    look_back_period_s: PositiveFloat = 15.0
+    num_cpus: float = Field(1.0, ge=0)   # Ray resources per replica
+    num_gpus: float = Field(0.0, ge=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # judge constructor arguments
 
 
 class WandbSection(Section):

@@ -6,8 +6,7 @@ deployment (actors/judges.py); the reward actor calls it through a deployment ha
 judge's timeout and bounded retries (rl_async.rewards.RewardRunner).
 
 `JudgeDeployment` is everything Serve needs, computed once so the fleet and the tests deploy
-exactly what the run file says. Keys marked *optional* below are read from `[judge]` when the
-section has them and otherwise take the defaults here, so delays can be tuned per run.
+exactly what the run file says; tests may override the tuning keys in OVERRIDABLE.
 """
 
 from __future__ import annotations
@@ -15,17 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Serve's own defaults (upscale 30 s, downscale 600 s, look-back 30 s) suit web traffic;
-# rollout bursts come and go within a training step, so judges react faster.
-OPTIONAL_DEFAULTS: dict[str, Any] = {
-    "upscale_delay_s": 5.0,       # load must persist this long before replicas are added
-    "downscale_delay_s": 60.0,    # idle this long before replicas are removed
-    "look_back_period_s": 15.0,   # window the ongoing-request average is taken over (> 10 s,
-                                  # Serve's metrics interval)
-    "num_cpus": 1.0,              # Ray resources per replica
-    "num_gpus": 0.0,
-    "kwargs": {},                 # keyword arguments for the judge class's constructor
-}
+# `[judge]` keys a caller may override (defaults live in rl_async.config.JudgeSection).
+OVERRIDABLE = ("upscale_delay_s", "downscale_delay_s", "look_back_period_s", "num_cpus",
+               "num_gpus", "kwargs")
 
 DEPLOYMENT_NAME = "judge"
 
@@ -47,25 +38,23 @@ class JudgeDeployment:
 
 
 def _optional(section: Any, key: str, overrides: dict[str, Any]) -> Any:
-    if key in overrides:
-        return overrides[key]
-    return getattr(section, key, OPTIONAL_DEFAULTS[key])
+    return overrides[key] if key in overrides else getattr(section, key)
 
 
 def judge_deployment(section: Any, run_name: str, **overrides: Any) -> JudgeDeployment:
     """`[judge]` (+ overrides for the optional keys) -> the deployment to run.
 
     Raises ValueError naming the key when the values cannot describe a deployment."""
-    unknown = sorted(set(overrides) - set(OPTIONAL_DEFAULTS))
+    unknown = sorted(set(overrides) - set(OVERRIDABLE))
     if unknown:
         raise ValueError(f"judge overrides {unknown}: unknown; expected some of "
-                         f"{sorted(OPTIONAL_DEFAULTS)}")
+                         f"{sorted(OVERRIDABLE)}")
     if section.min_replicas > section.max_replicas:
         raise ValueError(f"judge.min_replicas = {section.min_replicas} > judge.max_replicas = "
                          f"{section.max_replicas}; raise max_replicas or lower min_replicas")
     if ":" not in section.judge_class:
         raise ValueError(f"judge.judge_class = {section.judge_class!r}: expected 'module:Class'")
-    opt = {k: _optional(section, k, overrides) for k in OPTIONAL_DEFAULTS}
+    opt = {k: _optional(section, k, overrides) for k in OVERRIDABLE}
     for key in ("upscale_delay_s", "downscale_delay_s", "num_cpus", "num_gpus"):
         if opt[key] < 0:
             raise ValueError(f"judge.{key} = {opt[key]}: must be >= 0")

@@ -79,12 +79,13 @@ def test_rule_judge_scales_up_under_load_grades_right_and_scales_down(serve_clus
     try:
         assert judge_replicas(dep.app_name) == 1
         reward = RewardActor.options(runtime_env=ACTOR_ENV).remote(cfg)
-        # Keep ~16 requests in flight (8 per replica-at-max_ongoing 2) until Serve adds
-        # replicas, so the load lasts however long the scale-up takes.
+        # Keep 16 requests in flight (target is 1 per replica) until Serve adds replicas,
+        # so the load lasts however long the scale-up takes on a busy machine.
         submitted, pending, peak = [], [], 1
         deadline = time.monotonic() + 60
         while peak < 2 and time.monotonic() < deadline:
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+            if pending:
+                _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
             while len(pending) < 16:
                 i = len(submitted)
                 submitted.append((i, reward.score.remote(successor_sample(i))))
@@ -149,6 +150,7 @@ def test_failing_judge_is_retried_then_reported(serve_cluster):
 
 def test_short_run_grades_through_the_judge_and_deletes_it(serve_cluster, tmp_path):
     import json
+    import threading
 
     from actors.judges import judge_replicas
     from launch.run import run_training
@@ -159,9 +161,24 @@ def test_short_run_grades_through_the_judge_and_deletes_it(serve_cluster, tmp_pa
         "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
         "train.micro_batch_size=16", "task.num_eval_prompts=8", "run.name=t-judge-run",
         "judge.enabled=true", "judge.max_replicas=1"])
+    seen, done = [], threading.Event()
+
+    def watch():  # the fleet deploys the judge inside the controller actor
+        while not done.is_set():
+            seen.append(judge_replicas("t-judge-run-judge"))
+            done.wait(0.5)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     out = tmp_path / "summary.json"
-    code = run_training(cfg, validate(cfg), str(out))
+    try:
+        code = run_training(cfg, validate(cfg), str(out))
+    finally:
+        done.set()
+        watcher.join()
     summary = json.loads(out.read_text())
     assert code == 0, summary
-    print(summary)
+    assert summary["ledger"]["unaccounted"] == 0 and summary["ledger"]["failed_groups"] == 0
+    assert summary["ledger"]["delivered_groups"] == 2 * 4
+    assert max(seen) == 1, "the judge deployment never ran during the run"
     assert judge_replicas("t-judge-run-judge") == 0  # deleted at fleet shutdown
