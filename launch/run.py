@@ -51,6 +51,29 @@ def _print_plan(cfg: RunConfig, report: Report) -> None:
           f"{'fully async' if cfg.fully_async else 'synchronous'}", flush=True)
     for w in report.warnings:
         print(f"[rl-async] warning {w.code}: {w.message}", flush=True)
+    _note_job_stop_window()
+
+
+# `ray job stop` sends SIGTERM, then SIGKILL after this many seconds (Ray 2.60's default: 3),
+# read by the job's supervisor actor, whose environment includes the job's runtime_env vars.
+JOB_STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+RAY_DEFAULT_JOB_STOP_WAIT_S = 3
+
+
+def _note_job_stop_window() -> None:
+    """Under `ray job submit`, say how long a `ray job stop` leaves for the graceful drain."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" not in os.environ:  # set by Ray's job supervisor only
+        return
+    window = os.environ.get(JOB_STOP_WAIT_ENV)
+    if window is None:
+        print(f"[rl-async] note: `ray job stop` SIGKILLs this driver {RAY_DEFAULT_JOB_STOP_WAIT_S}"
+              f" s after its SIGTERM, usually before the graceful drain, final eval and summary"
+              f" finish; submit with --runtime-env-json "
+              f"'{{\"env_vars\": {{\"{JOB_STOP_WAIT_ENV}\": \"300\"}}}}' to allow 300 s",
+              flush=True)
+    else:
+        print(f"[rl-async] `ray job stop` allows {window} s for the graceful drain "
+              f"({JOB_STOP_WAIT_ENV})", flush=True)
 
 
 def _progress_line(p: dict) -> str:
@@ -73,16 +96,25 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None) -> in
         cfg, report.plan, [w.to_dict() for w in report.warnings])
     run_ref = controller.run.remote()
 
+    stop_signal: list[int] = []
+
     def graceful(signum, _frame):
-        print(f"\n[rl-async] signal {signum}: stopping gracefully (drain, eval, summary)",
-              flush=True)
-        controller.request_stop.remote()
+        # Only record it: the poll loop below prints and sends the request (no I/O or Ray
+        # calls inside a signal handler), and re-sends it each poll because a controller
+        # still building its fleet has nothing to stop yet and ignores the request.
+        stop_signal.append(signum)
 
     old = {s: signal.signal(s, graceful) for s in (signal.SIGTERM, signal.SIGINT)}
     tty = sys.stdout.isatty()
-    last_line, last_print = "", 0.0
+    last_line, last_print, announced = "", 0.0, False
     try:
         while True:
+            if stop_signal:
+                if not announced:
+                    print(f"\n[rl-async] signal {stop_signal[0]}: stopping gracefully "
+                          f"(drain, eval, summary)", flush=True)
+                    announced = True
+                controller.request_stop.remote()
             ready, _ = ray.wait([run_ref], timeout=POLL_S)
             if ready:
                 break

@@ -29,7 +29,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 START_TIMEOUT_S = 120
-TERM_GRACE_S = 15
+TERM_GRACE_S = 5  # a throwaway cluster: nothing to flush
+KILL_GRACE_S = 10
 
 
 @dataclass
@@ -91,6 +92,8 @@ def _ours(session_id: int, gcs_address: str) -> list[int]:
             continue
         pid = int(entry.name)
         try:
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue  # already dead, waiting for its parent to reap it
             if os.getsid(pid) == session_id:
                 pids.append(pid)
                 continue
@@ -110,15 +113,18 @@ def _signal_all(pids: list[int], sig: int) -> None:
             pass
 
 
+def _wait_gone(session_id: int, gcs_address: str, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (left := _ours(session_id, gcs_address)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
+
+
 def _stop(session_id: int, gcs_address: str) -> list[int]:
     """SIGTERM this cluster's processes, SIGKILL what is left after a grace period."""
     _signal_all(_ours(session_id, gcs_address), signal.SIGTERM)
-    deadline = time.monotonic() + TERM_GRACE_S
-    while time.monotonic() < deadline and _ours(session_id, gcs_address):
-        time.sleep(0.5)
-    _signal_all(_ours(session_id, gcs_address), signal.SIGKILL)
-    time.sleep(0.5)
-    return _ours(session_id, gcs_address)
+    _signal_all(_wait_gone(session_id, gcs_address, TERM_GRACE_S), signal.SIGKILL)
+    return _wait_gone(session_id, gcs_address, KILL_GRACE_S)
 
 
 @pytest.fixture(scope="module")

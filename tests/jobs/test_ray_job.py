@@ -113,6 +113,8 @@ def test_job_stop_drains_gracefully_and_prints_summary(job_cluster):
     logs = client.get_job_logs(job_id)
     assert status == "STOPPED", logs[-4000:]
 
+    # The stop window set through the runtime env reached the job (and so its supervisor).
+    assert "allows 90 s for the graceful drain" in logs, logs[-4000:]
     # SIGTERM reached the driver, which asked the controller to stop, drained and summarised.
     assert "stopping gracefully" in logs, logs[-4000:]
     summary = _summary_from_logs(logs)
