@@ -23,6 +23,7 @@ class ControllerActor:
         self.fleet: RayFleet | None = None
         self.memory = MemorySink()
         self.error: str | None = None
+        self._stop_requested = False
 
     def _logger(self) -> MetricsLogger:
         sinks = [self.memory]
@@ -43,6 +44,7 @@ class ControllerActor:
         try:
             await self.fleet.start()
             self.controller = Controller(self.cfg, self.plan, self.fleet, logger.log)
+            self.controller.stop_requested = self._stop_requested  # asked during start-up
             summary = await self.controller.run()
             summary["failures"] = await self.fleet.source.failures.remote()
             return summary
@@ -85,6 +87,7 @@ class ControllerActor:
     def request_stop(self) -> None:
         """Graceful stop (`ray job stop`, Ctrl-C): finish the current collection, drain, eval,
         summary."""
+        self._stop_requested = True
         if self.controller is not None:
             self.controller.stop_requested = True
 
