@@ -74,7 +74,9 @@ class RayFleet:
         self.trainers = [self._named(TrainerWorker, f"trainer-{r}", cfg, plan, r,
                                      c.trainer_workers, pg=self.pgs[-1], bundle=r,
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
-                                     max_concurrency=1)
+                                     # two threads: a publication's broadcast can run
+                                     # while the next collection trains (see controller)
+                                     max_concurrency=2)
                          for r in range(c.trainer_workers)]
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
@@ -204,26 +206,34 @@ class RayFleet:
     async def resume_submissions(self) -> None:
         await self.producer.resume_generation.remote()
 
-    async def transfer(self, version: int) -> int:
+    async def snapshot(self) -> None:
+        """Trainer rank 0 copies the weights into its publication buckets."""
         flat = self.cfg.engine.backend == "embedded"
-        publisher = self.trainers[0]
         bucket_bytes = self.cfg.publication.bucket_bytes
-        ranks = self.trainers if self.cfg.train.backend == "megatron" else [publisher]
-        metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
-                                        for t in ranks)))[0]
+        ranks = self.trainers if self.cfg.train.backend == "megatron" else self.trainers[:1]
+        self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
+                                              for t in ranks)))[0]
+
+    async def send(self, version: int) -> int:
+        """Broadcast the snapshot bucket by bucket; the last bucket carries the version."""
+        publisher = self.trainers[0]
         sent = 0
-        for i, (names, dtypes, shapes, nbytes) in enumerate(metas):
-            last = i == len(metas) - 1
+        for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
+            last = i == len(self._metas) - 1
             await asyncio.gather(
                 publisher.broadcast_bucket.remote(i),
                 *(e.update_weights_from_distributed.remote(
                     names, dtypes, shapes, PUBLICATION_GROUP, version if last else None)
                   for e in self.engines))
             sent += nbytes
-        await publisher.finish_publication.remote()
         if self.cfg.publication.verify_checksum:
             await self.verify_weights()
         return sent
+
+    async def transfer(self, version: int) -> int:
+        """snapshot + send (start-up, and tests that publish by hand)."""
+        await self.snapshot()
+        return await self.send(version)
 
     async def verify_weights(self) -> None:
         want = await self.trainers[0].weights_checksum.remote()

@@ -74,6 +74,7 @@ class TrainerWorker:
             torch.set_num_threads(max(1, int(cfg.cluster.trainer_cpus)))
         self.trainer = None
         self._buckets: list = []
+        self._flat: list[torch.Tensor] = []  # publication buffers, reused
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -113,15 +114,25 @@ class TrainerWorker:
         bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
         broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
         # megatron gathers TP/PP shards collectively: every rank calls this, rank 0 sends.
-        named = [(n, t.detach().clone()) for n, t in self.trainer.named_tensors_for_publication()]
+        named = self.trainer.named_tensors_for_publication()
         self._buckets = []
         if self.rank != 0:
             return []
         metas = []
-        for bucket in bucket_named_tensors(named, bucket_bytes):
-            flat_t, names, dtypes, shapes = flatten_bucket(bucket)
-            self._buckets.append(flat_t if flat else [t for _, t in bucket])
-            metas.append((names, dtypes, shapes, int(flat_t.numel())))
+        for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
+            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+            if flat:  # the snapshot is this one copy, into a buffer kept across publications
+                if i >= len(self._flat) or self._flat[i].numel() != nbytes:
+                    self._flat[i:i + 1] = [torch.empty(nbytes, dtype=torch.uint8,
+                                                       device=bucket[0][1].device)]
+                flat_t, names, dtypes, shapes = flatten_bucket(bucket, out=self._flat[i])
+                self._buckets.append(flat_t)
+            else:
+                names, dtypes, shapes = ([n for n, _ in bucket],
+                                         [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                                         [list(t.shape) for _, t in bucket])
+                self._buckets.append([t.detach().clone() for _, t in bucket])
+            metas.append((names, dtypes, shapes, nbytes))
         return metas
 
     def broadcast_bucket(self, index: int) -> None:
@@ -129,9 +140,6 @@ class TrainerWorker:
         payload = self._buckets[index]
         for tensor in payload if isinstance(payload, list) else [payload]:
             torch.distributed.broadcast(tensor, group=group, group_src=0)
-
-    def finish_publication(self) -> None:
-        self._buckets = []
 
     # ---- checkpoints and checks ------------------------------------------------------------
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:

@@ -78,6 +78,8 @@ class Controller:
         self._start = 0.0
         # Set by a graceful stop request: finish the current collection, drain, summarise.
         self.stop_requested = False
+        self._pub_task: asyncio.Future | None = None
+        self._overlap_publication = cfg.fully_async and plan.max_weight_staleness >= 1
 
     async def run(self) -> dict[str, Any]:
         self._start = time.monotonic()
@@ -96,6 +98,7 @@ class Controller:
             p.phase = "failed"
             raise
         p.phase = "draining"
+        self.log(await self._finish_publication(), p.step)  # final eval needs final weights
         await self._shutdown_drain()
         p.phase = "eval"
         p.final_eval = await self.fleet.evaluate()
@@ -113,9 +116,8 @@ class Controller:
         train_metrics = await self.fleet.train(groups, self.version)
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
-        pub = await self.publisher.publish(self.version, self.fleet)
-        await self.fleet.buffer_set_version(self.version)
-        metrics = {**train_metrics, **pub.metrics(), **await self.fleet.metrics()}
+        pub_metrics = await self._publish(self.version)
+        metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
         metrics.update(self._collection_metrics(groups, wait))
         self.log(metrics, p.step)
         p.history.append({"step": p.step, "reward": metrics["rollout/reward_mean"]})
@@ -125,6 +127,33 @@ class Controller:
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self.fleet.checkpoint(p.step, self.version)
+
+    async def _publish(self, version: int) -> dict[str, float]:
+        """Publish `version`. When the lag allows it (async, lag >= 1), only the snapshot is
+        awaited: the drain and transfer overlap the next collection's training, and the next
+        publication first waits for this one (one transfer at a time). Engines then lag the
+        trainer by at most one publication, which the staleness filter accounts for."""
+        previous = await self._finish_publication()
+        snapshotted = asyncio.Event()
+        task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
+        waiter = asyncio.ensure_future(snapshotted.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()  # a failure before the snapshot finished: raise it here
+        self._pub_task = task
+        if not self._overlap_publication:
+            return await self._finish_publication()
+        return previous
+
+    async def _finish_publication(self) -> dict[str, float]:
+        """Wait for the publication in flight, if any; its metrics (empty when none)."""
+        task, self._pub_task = self._pub_task, None
+        if task is None:
+            return {}
+        result = await task
+        await self.fleet.buffer_set_version(result.version)
+        return result.metrics()
 
     def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
         p = self.progress
@@ -152,21 +181,30 @@ class Controller:
                                                           self.version))
         waited = 0.0
         while True:
-            done, _ = await asyncio.wait({get, self._producer}, timeout=self.watchdog_s,
+            pub = self._pub_task
+            if pub is not None and pub.done() and pub.exception() is not None:
+                get.cancel()
+                raise RunFailed(f"weight publication of version {self.version} failed: "
+                                f"{pub.exception()}") from pub.exception()
+            watched = {get, self._producer} | ({pub} if pub and not pub.done() else set())
+            done, _ = await asyncio.wait(watched, timeout=self.watchdog_s,
                                          return_when=asyncio.FIRST_COMPLETED)
             if get in done:
                 return get.result()
-            if self._producer in done:
+            if self._producer.done():
                 get.cancel()
                 exc = self._producer.exception() if not self._producer.cancelled() else None
                 raise RunFailed(f"the producer stopped while the trainer waited for a "
                                 f"collection: {type(exc).__name__}: {exc}") from exc
+            if done:
+                continue  # the publication finished; keep waiting for the collection
             waited += self.watchdog_s
             self.log({"watchdog/no_progress_seconds": waited}, self.progress.step)
 
     async def _evaluate_with_drain(self) -> None:
         """Lifecycle drain: open no new group, let owned groups land (in reserved buffer
         room), evaluate the current policy, resume."""
+        self.log(await self._finish_publication(), self.progress.step)
         await self._reserve_for_owned()
         try:
             await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)

@@ -1,8 +1,13 @@
 """Weight publication: the controller's state machine (SPEC §9).
 
-    idle --> pausing --> transferring --> resuming --> idle
-               |                                   ^
-               +------------ (any error) ----> failed (raised; the run stops)
+    idle --> snapshotting --> pausing --> transferring --> resuming --> idle
+                  |                                             ^
+                  +---------------- (any error) ----> failed (raised; the run stops)
+
+snapshotting: trainer rank 0 copies the weights into its publication buffers. Once that is
+done (`snapshotted` is set) the trainer may take its next optimizer step while the rest of
+the publication (the drain above all) runs: the controller overlaps the two when the lag
+allows it.
 
 refresh.mode = off ("no response mixes policies"):
     pausing:      the producer sends no new generation request; requests already at the
@@ -24,6 +29,7 @@ One transfer at a time: a second `publish` while one runs is an error, not a que
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ from typing import Protocol
 
 class PubState(enum.Enum):
     IDLE = "idle"
+    SNAPSHOTTING = "snapshotting"
     PAUSING = "pausing"
     TRANSFERRING = "transferring"
     RESUMING = "resuming"
@@ -45,10 +52,11 @@ class PublicationError(RuntimeError):
 class PublicationOps(Protocol):
     """What the state machine drives; implemented over Ray actor handles in actors/."""
 
+    async def snapshot(self) -> None: ...
     async def stop_submissions(self) -> None: ...
     async def drain(self, timeout_s: float) -> bool: ...
     async def pause_engines(self, mode: str) -> None: ...
-    async def transfer(self, version: int) -> int: ...  # returns bytes sent
+    async def send(self, version: int) -> int: ...  # the snapshot; returns bytes sent
     async def continue_engines(self) -> None: ...
     async def resume_submissions(self) -> None: ...
 
@@ -85,13 +93,19 @@ class Publisher:
         self.state = state
         self.history.append(state)
 
-    async def publish(self, version: int, ops: PublicationOps) -> PublicationResult:
+    async def publish(self, version: int, ops: PublicationOps,
+                      snapshotted: asyncio.Event | None = None) -> PublicationResult:
         if self.state is not PubState.IDLE:
             raise PublicationError(f"publication of version {version} requested while the "
                                    f"previous one is {self.state.value}: one transfer at a time")
         start = time.monotonic()
         drained = True
         try:
+            self._enter(PubState.SNAPSHOTTING)
+            await ops.snapshot()
+            if snapshotted is not None:
+                snapshotted.set()
+            snap_at = time.monotonic()
             self._enter(PubState.PAUSING)
             if self.refresh_mode == "off":
                 await ops.stop_submissions()
@@ -108,7 +122,7 @@ class Publisher:
                 await ops.pause_engines("retract")
             paused_at = time.monotonic()
             self._enter(PubState.TRANSFERRING)
-            sent = await ops.transfer(version)
+            sent = await ops.send(version)
             transferred_at = time.monotonic()
             self._enter(PubState.RESUMING)
             await ops.continue_engines()
@@ -119,6 +133,6 @@ class Publisher:
         end = time.monotonic()
         self._enter(PubState.IDLE)
         return PublicationResult(
-            version=version, publication_seconds=end - start, paused_seconds=end - start,
-            drain_seconds=paused_at - start, transfer_seconds=transferred_at - paused_at,
+            version=version, publication_seconds=end - start, paused_seconds=end - snap_at,
+            drain_seconds=paused_at - snap_at, transfer_seconds=transferred_at - paused_at,
             drained=drained, bytes=sent)

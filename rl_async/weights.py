@@ -56,9 +56,12 @@ def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
     return buckets
 
 
-def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[str], list[str],
-                                                  list[list[int]]]:
-    """One bucket -> (flat uint8 tensor on the tensors' device, names, dtype strings, shapes)."""
+def flatten_bucket(bucket: NamedTensors, out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list[str], list[str], list[list[int]]]:
+    """One bucket -> (flat uint8 tensor on the tensors' device, names, dtype strings, shapes).
+
+    `out`: a uint8 buffer of exactly the bucket's size to write into (publishers reuse one
+    per bucket, so a publication costs one copy of the weights and no allocation)."""
     if not bucket:
         raise ValueError("flatten_bucket: the bucket is empty; bucket_named_tensors never "
                          "produces empty buckets, so the caller built it by hand")
@@ -66,7 +69,14 @@ def flatten_bucket(bucket: NamedTensors) -> tuple[torch.Tensor, list[str], list[
     dtypes = [dtype_name(t.dtype) for _, t in bucket]
     shapes = [list(t.shape) for _, t in bucket]
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
-    return torch.cat(parts), names, dtypes, shapes
+    if out is None:
+        return torch.cat(parts), names, dtypes, shapes
+    total = sum(p.numel() for p in parts)
+    if out.dtype != torch.uint8 or out.numel() != total:
+        raise ValueError(f"flatten_bucket(out=...): need a uint8 buffer of {total} bytes, got "
+                         f"{out.numel()} x {out.dtype}")
+    torch.cat(parts, out=out)
+    return out, names, dtypes, shapes
 
 
 def bucket_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
@@ -82,7 +92,9 @@ def bucket_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
 
 def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
                      shapes: list[list[int]]) -> NamedTensors:
-    """Inverse of `flatten_bucket`. Errors name the mismatch between buffer and metadata."""
+    """Inverse of `flatten_bucket`. Errors name the mismatch between buffer and metadata.
+
+    Aligned tensors are views into `flat`: load them before `flat` is reused."""
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"bucket metadata lengths differ: {len(names)} names, {len(dtypes)} "
                          f"dtypes, {len(shapes)} shapes; they must describe the same tensors")
@@ -98,8 +110,12 @@ def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
         for dim in shape:
             numel *= int(dim)
         nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
-        # clone(): a view at an unaligned byte offset cannot be reinterpreted as a wider dtype.
-        chunk = flat[offset:offset + nbytes].clone()
+        chunk = flat[offset:offset + nbytes]
+        # A view when the offset is aligned to the dtype (always, for single-dtype buckets);
+        # a copy otherwise, since a misaligned view cannot be reinterpreted as a wider dtype.
+        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        if offset % itemsize or chunk.data_ptr() % itemsize:
+            chunk = chunk.clone()
         out.append((name, chunk.view(torch_dtype).reshape([int(d) for d in shape])))
         offset += nbytes
     return out

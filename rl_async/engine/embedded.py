@@ -110,6 +110,7 @@ class EmbeddedEngine(Engine):
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._requests: dict[str, Request] = {}
+        self._recv_buffers: dict[int, torch.Tensor] = {}
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
 
@@ -245,7 +246,13 @@ class EmbeddedEngine(Engine):
                                               weight_version: int | None = None) -> None:
         group = collective.get_group(group_name)
         # Always take part in the broadcast (the sender would hang otherwise); check after.
-        flat = torch.empty(bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
+        # One receive buffer per bucket size, kept across publications: no page faults on
+        # ~model-size fresh memory each time, and the tensors below are views into it.
+        nbytes = bucket_nbytes(dtypes, shapes)
+        flat = self._recv_buffers.get(nbytes)
+        if flat is None:
+            flat = self._recv_buffers[nbytes] = torch.empty(nbytes, dtype=torch.uint8,
+                                                            device=self.device)
         # Receive outside the lock (generation may go on); load under it, between two steps.
         await asyncio.to_thread(torch.distributed.broadcast, flat, group=group, group_src=0)
         await self.update_weights_from_tensor(unflatten_bucket(flat, names, dtypes, shapes),
