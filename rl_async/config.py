@@ -154,7 +154,8 @@ class RefreshSection(Section):
 class PublicationSection(Section):
     # refresh.mode = off: how long in-flight requests may finish under old weights.
     drain_timeout_s: PositiveFloat = 30.0
-    bucket_bytes: PositiveInt = 64 * 1024 * 1024
+    # Bigger buckets mean fewer round trips; the snapshot is the whole model either way.
+    bucket_bytes: PositiveInt = 256 * 1024 * 1024
     # Compare engine weight checksums to the trainer's after each publication (slow).
     verify_checksum: bool = False
     timeout_s: PositiveFloat = 300.0

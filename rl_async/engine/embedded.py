@@ -110,7 +110,8 @@ class EmbeddedEngine(Engine):
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._requests: dict[str, Request] = {}
-        self._recv_buffers: dict[int, torch.Tensor] = {}
+        self._recv_buffers: dict[tuple[str, ...], torch.Tensor] = {}
+        self._bound: set[tuple[str, ...]] = set()  # buckets the parameters are views into
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
 
@@ -246,17 +247,50 @@ class EmbeddedEngine(Engine):
                                               weight_version: int | None = None) -> None:
         group = collective.get_group(group_name)
         # Always take part in the broadcast (the sender would hang otherwise); check after.
-        # One receive buffer per bucket size, kept across publications: no page faults on
-        # ~model-size fresh memory each time, and the tensors below are views into it.
-        nbytes = bucket_nbytes(dtypes, shapes)
-        flat = self._recv_buffers.get(nbytes)
+        # One receive buffer per bucket, kept across publications. After the first load the
+        # parameters ARE views into it (zero-copy): later broadcasts land in the weights.
+        key = tuple(names)
+        self._check_version(weight_version)
+        flat = self._recv_buffers.get(key)
         if flat is None:
-            flat = self._recv_buffers[nbytes] = torch.empty(nbytes, dtype=torch.uint8,
-                                                            device=self.device)
+            flat = self._recv_buffers[key] = torch.empty(
+                bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
+        if key in self._bound:
+            # The bucket is the weights: receive under the guard, so no step ever runs on a
+            # half-written bucket, then finish the update as update_weights_from_tensor does.
+            async with self._guard():
+                await asyncio.to_thread(torch.distributed.broadcast, flat, group=group,
+                                        group_src=0)
+                self._set_version(weight_version)
+                self._retract_running()
+            return
         # Receive outside the lock (generation may go on); load under it, between two steps.
         await asyncio.to_thread(torch.distributed.broadcast, flat, group=group, group_src=0)
-        await self.update_weights_from_tensor(unflatten_bucket(flat, names, dtypes, shapes),
-                                              weight_version)
+        named = unflatten_bucket(flat, names, dtypes, shapes)
+        await self.update_weights_from_tensor(named, weight_version)
+        self._bind(key, named)
+
+    def _bind(self, key: tuple[str, ...], named: list) -> None:
+        """Make the parameters views into the receive buffer when every tensor is a view of
+        the same dtype, shape and device (no clone was needed), so later loads are free."""
+        views = [(self._params[n], t) for n, t in named]
+        if all(t._base is not None and t.dtype == p.dtype and t.shape == p.shape
+               and t.device == p.device for p, t in views):
+            with torch.no_grad():
+                for p, t in views:
+                    p.data = t
+            self._bound.add(key)
+
+    def _check_version(self, weight_version: int | None) -> None:
+        if weight_version is not None and (not isinstance(weight_version, int)
+                                           or weight_version < self._version):
+            raise ValueError(f"weight_version = {weight_version!r}: must be an int >= the "
+                             f"current version {self._version} (versions only increase)")
+
+    def _set_version(self, weight_version: int | None) -> None:
+        self._check_version(weight_version)
+        if weight_version is not None:
+            self._version = weight_version
 
     async def update_weights_from_tensor(self, named_tensors: list,
                                          weight_version: int | None = None) -> None:
@@ -265,16 +299,12 @@ class EmbeddedEngine(Engine):
         Running requests are retracted so no KV of the old weights is reused."""
         named_tensors = list(named_tensors)
         self._check_names([n for n, _ in named_tensors], [list(t.shape) for _, t in named_tensors])
-        if weight_version is not None and (not isinstance(weight_version, int)
-                                           or weight_version < self._version):
-            raise ValueError(f"weight_version = {weight_version!r}: must be an int >= the "
-                             f"current version {self._version} (versions only increase)")
         async with self._guard():
+            self._set_version(weight_version)
             with torch.no_grad():
                 for name, tensor in named_tensors:
-                    self._params[name].copy_(tensor.to(self.device))
-            if weight_version is not None:
-                self._version = weight_version
+                    if self._params[name].data_ptr() != tensor.data_ptr():
+                        self._params[name].copy_(tensor.to(self.device))
             self._retract_running()
 
     def _check_names(self, names: list[str], shapes: list[list[int]]) -> None:
