@@ -19,7 +19,7 @@ from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
 from rl_async.producer import Producer, ProducerLimits
 from rl_async.rewards import RewardError
-from rl_async.tasks import EOS
+from rl_async.tasks import stop_token_ids
 from rl_async.types import Group, Sample
 
 
@@ -29,7 +29,7 @@ class ActorDied(RuntimeError):
 
 def sampling_params(cfg: RunConfig, greedy: bool = False) -> SamplingParams:
     r = cfg.rollout
-    stop = (EOS,) if cfg.task.name == "successor" else ()
+    stop = stop_token_ids(cfg)
     return SamplingParams(max_new_tokens=r.max_response_len,
                           temperature=0.0 if greedy else r.temperature,
                           top_p=1.0 if greedy else r.top_p, top_k=-1 if greedy else r.top_k,

@@ -11,7 +11,7 @@ import ray
 
 from rl_async.config import RunConfig
 from rl_async.ledger import PromptLedger
-from rl_async.tasks import PromptSource, build_prompts, model_vocab_size
+from rl_async.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
 from rl_async.types import Group
 
 
@@ -24,8 +24,9 @@ def ref_of(group: Group) -> Group:
 class PromptSourceActor:
     def __init__(self, cfg: RunConfig):
         vocab = model_vocab_size(cfg.model)
-        self.source = PromptSource(build_prompts(cfg.task, vocab, "train"), cfg.run.seed)
-        self.eval_prompts = build_prompts(cfg.task, vocab, "eval")[: cfg.task.num_eval_prompts]
+        tok = load_tokenizer(cfg.model)
+        self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok), cfg.run.seed)
+        self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok)[: cfg.task.num_eval_prompts]
         n = cfg.rollout.n_samples_per_prompt
         self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),
                                    cfg.async_.max_retries, cfg.async_.unused_samples_handler)

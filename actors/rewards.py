@@ -11,7 +11,7 @@ import ray
 from rl_async.config import RunConfig
 from rl_async.judging import judge_app_name
 from rl_async.rewards import RewardRunner, load_callable
-from rl_async.tasks import default_reward_path
+from rl_async.tasks import default_reward_path, load_tokenizer
 from rl_async.types import Sample
 
 
@@ -19,6 +19,8 @@ from rl_async.types import Sample
 class RewardActor:
     def __init__(self, cfg: RunConfig):
         r, j = cfg.reward, cfg.judge
+        # Text tasks: responses are decoded once here, for reward functions and judges.
+        self.tokenizer = load_tokenizer(cfg.model)
         if j.enabled:
             from actors.judges import judge_scorer  # imports Ray Serve only when judging
 
@@ -31,6 +33,9 @@ class RewardActor:
                                    r.concurrency)
 
     async def score(self, sample: Sample) -> float:
+        if self.tokenizer is not None:
+            sample.metadata["response_text"] = self.tokenizer.decode(
+                sample.response_ids, skip_special_tokens=True)
         return await self.runner.score(sample)
 
     def metrics(self) -> dict[str, float]:

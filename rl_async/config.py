@@ -93,6 +93,9 @@ class RolloutSection(Section):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = -1
+    # Tokens that end a response. None: the built-in task's EOS, or the model's
+    # eos_token_id (from model.path's config) for JSONL tasks.
+    stop_token_ids: list[int] | None = None
 
     @model_validator(mode="after")
     def _top_k(self) -> RolloutSection:

@@ -11,14 +11,18 @@ position and apply the rule; a tenth of the digit strings is held out for evalua
 eval reward measures generalisation to unseen prompts, not memorisation. A random tiny model
 starts near 1/vocab and RL lifts it close to 1.0 in a few dozen updates on a CPU.
 
-JSONL rows: {"prompt_ids": [int, ...], "answer": ...} or {"prompt": "digits as text",
-"answer": ...}; every other field is kept as metadata for the reward function.
+JSONL rows: {"prompt_ids": [int, ...], ...} or {"prompt": "text", "answer": "..."}. Text
+prompts are tokenized with the model's tokenizer (its chat template when it has one; a
+digit-only prompt without a tokenizer uses the built-in digit tokens). Every other field is
+kept as metadata for the reward function; `answer_match_reward` compares the decoded
+response's final answer with `answer`.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,24 +107,36 @@ def exact_match_reward(sample: Sample) -> float:
     return 1.0 if response == list(answer) else 0.0
 
 
-def _row_to_prompt(row: Any, where: str) -> Prompt:
+def _encode(tokenizer, text: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                  add_generation_prompt=True, tokenize=True))
+    return list(tokenizer.encode(text))
+
+
+def _row_to_prompt(row: Any, where: str, tokenizer=None) -> Prompt:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    text = row.get("prompt")
     if "prompt_ids" in row:
         ids = row["prompt_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
             raise DatasetError(f"{where}: prompt_ids must be a non-empty list of token ids >= 0")
-    elif "prompt" in row and isinstance(row["prompt"], str) and row["prompt"].strip().isdigit():
-        ids = [BOS] + [DIGIT0 + int(ch) for ch in row["prompt"].strip()] + [SEP]
+    elif isinstance(text, str) and text.strip() and tokenizer is not None:
+        ids = _encode(tokenizer, text)
+    elif isinstance(text, str) and text.strip().isdigit():
+        ids = [BOS] + [DIGIT0 + int(ch) for ch in text.strip()]
     else:
-        raise DatasetError(f"{where}: needs 'prompt_ids' (list of ints) or 'prompt' (digits)")
+        raise DatasetError(f"{where}: needs 'prompt_ids' (list of ints) or a non-empty 'prompt' "
+                           f"(text needs model.path with a tokenizer; digits work without)")
     meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "prompt", "id")}
-    if "answer" in meta and "answer_ids" not in meta and str(meta["answer"]).isdigit():
+    if ("answer" in meta and "answer_ids" not in meta and tokenizer is None
+            and str(meta["answer"]).isdigit()):
         meta["answer_ids"] = [DIGIT0 + int(ch) for ch in str(meta["answer"])]
     return Prompt(prompt_id=str(row.get("id", where)), prompt_ids=list(ids), metadata=meta)
 
 
-def load_jsonl(path: str | Path) -> list[Prompt]:
+def load_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"task.path = {str(p)!r}: file not found")
@@ -133,23 +149,70 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-        prompts.append(_row_to_prompt(row, where))
+        prompts.append(_row_to_prompt(row, where, tokenizer))
     if not prompts:
         raise DatasetError(f"task.path = {str(p)!r}: no prompts in the file")
     return prompts
 
 
-def build_prompts(task_cfg, vocab_size: int, split: str = "train") -> list[Prompt]:
+def build_prompts(task_cfg, vocab_size: int, split: str = "train",
+                  tokenizer=None) -> list[Prompt]:
     """Prompts for a TaskSection: `split` is "train" or "eval"."""
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
     path = task_cfg.path if split == "train" else (task_cfg.eval_path or task_cfg.path)
-    return load_jsonl(path)
+    return load_jsonl(path, tokenizer)
+
+
+def load_tokenizer(model_cfg):
+    """The checkpoint's tokenizer (local files only), or None for config-built models."""
+    if model_cfg.path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+
+
+def stop_token_ids(cfg) -> tuple[int, ...]:
+    """rollout.stop_token_ids, else the built-in task's EOS, else the model's eos_token_id."""
+    if cfg.rollout.stop_token_ids is not None:
+        return tuple(cfg.rollout.stop_token_ids)
+    if cfg.task.name == "successor":
+        return (EOS,)
+    if cfg.model.path is None:
+        return ()
+    from transformers import AutoConfig
+
+    eos = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str | None:
+    """The last \\boxed{...} in `text`, else its last number, else None."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def answer_match_reward(sample: Sample) -> float:
+    """Text tasks: 1.0 when the final answer of the decoded response equals the row's
+    `answer` (the reward actor fills `metadata["response_text"]` from the tokenizer)."""
+    text = sample.metadata.get("response_text")
+    if text is None or "answer" not in sample.metadata:
+        raise KeyError(f"prompt {sample.prompt_id!r}: answer_match_reward needs metadata "
+                       f"'answer' and a decoded 'response_text' (set model.path)")
+    return 1.0 if final_answer(text) == str(sample.metadata["answer"]).strip() else 0.0
 
 
 def default_reward_path(task_cfg) -> str:
     return ("rl_async.tasks:successor_reward" if task_cfg.name == "successor"
-            else "rl_async.tasks:exact_match_reward")
+            else "rl_async.tasks:answer_match_reward")
 
 
 def model_vocab_size(model_cfg) -> int:
