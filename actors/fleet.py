@@ -8,7 +8,6 @@ group, and publishes version 0 so every engine provably starts from the trainer'
 from __future__ import annotations
 
 import asyncio
-import os
 from pathlib import Path
 
 import ray
@@ -20,7 +19,7 @@ from actors.engines import EngineActor
 from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
-from actors.trainer import PUBLICATION_GROUP, TrainerWorker, free_port
+from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.types import Group

@@ -20,7 +20,7 @@ from rl_async.engine.router import Router
 from rl_async.producer import Producer, ProducerLimits
 from rl_async.rewards import RewardError
 from rl_async.tasks import stop_token_ids
-from rl_async.types import Group, Sample
+from rl_async.types import Sample
 
 
 class ActorDied(RuntimeError):
