@@ -77,7 +77,6 @@ class ControllerActor:
         if self.controller is None:
             return {"phase": "starting"}
         p = dataclasses.asdict(self.controller.progress)
-        p.pop("history", None)
         p["max_steps"] = self.cfg.run.max_steps
         p["discard_fraction"] = self.memory.rows[-1][1].get(
             "rollout/fully_async/completed_queue/dropped_samples_fraction", 0.0) \

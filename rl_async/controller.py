@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl_async.capacity import CapacityPlan
@@ -63,7 +63,6 @@ class Progress:
     staleness_sum: int = 0
     staleness_groups: int = 0
     phase: str = "starting"
-    history: list[dict[str, float]] = field(default_factory=list)
 
 
 class Controller:
@@ -120,7 +119,6 @@ class Controller:
         metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
         metrics.update(self._collection_metrics(groups, wait))
         self.log(metrics, p.step)
-        p.history.append({"step": p.step, "reward": metrics["rollout/reward_mean"]})
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
             await self._evaluate_with_drain()
