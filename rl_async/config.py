@@ -110,6 +110,9 @@ class TrainSection(Section):
     global_batch_size: PositiveInt | None = None
     micro_batch_size: PositiveInt = 8
     lr: PositiveFloat = 1e-3
+    # "cosine" decays lr to lr * min_lr_ratio over run.max_steps updates.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: PositiveFloat = 1.0
     eps_clip: float = Field(0.2, gt=0)

@@ -65,6 +65,10 @@ class TorchTrainerConfig:
     adam_eps: float = 1e-8
     weight_decay: float = 0.0
     grad_clip: float = 1.0            # <= 0: no clipping (the norm is still reported)
+    # "constant", or "cosine" from lr down to lr * min_lr_ratio over total_steps updates.
+    lr_schedule: str = "constant"
+    total_steps: int = 0
+    min_lr_ratio: float = 0.1
     # Batching: samples per optimizer step over ALL ranks, samples per forward on one rank.
     global_batch_size: int = 8
     micro_batch_size: int = 4
@@ -103,6 +107,10 @@ class TorchTrainerConfig:
             raise ValueError(f"train.tis_clip_low = {self.tis_clip_low}, tis_clip = "
                              f"{self.tis_clip}: need 0 <= tis_clip_low <= tis_clip")
         get_advantage_fn(self.advantage_estimator)  # unknown name -> error listing names
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule = {self.lr_schedule!r}: use 'constant' or 'cosine'")
+        if self.lr_schedule == "cosine" and self.total_steps < 1:
+            raise ValueError("train.lr_schedule = 'cosine' needs total_steps >= 1 (run.max_steps)")
         self.betas = tuple(self.betas)  # TOML gives lists
 
 
@@ -117,6 +125,16 @@ def _resolve_device(name: str) -> torch.device:
 
 def _chunks(seq: Sequence, size: int) -> list[Sequence]:
     return [seq[i:i + size] for i in range(0, len(seq), size)]
+
+
+def lr_at(config: TorchTrainerConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` (0-based): a pure function of the step, so
+    a restored checkpoint continues the schedule exactly."""
+    if config.lr_schedule == "constant":
+        return config.lr
+    progress = min(step / config.total_steps, 1.0)
+    floor = config.min_lr_ratio
+    return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 class TorchTrainer:
@@ -287,6 +305,9 @@ class TorchTrainer:
             ratios.append(mb_ratios)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        lr = lr_at(self.config, self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.step += 1
         # p99 is not additive: each rank's p99 over its step tokens, max over ranks.

@@ -230,3 +230,17 @@ def test_bad_inputs_raise_with_names():
         TorchTrainerConfig(hf_config=TINY, advantage_estimator="nope")
     with pytest.raises(ValueError, match="temperature"):
         TorchTrainerConfig(hf_config=TINY, temperature=0.0)
+
+
+def test_cosine_schedule_is_a_pure_function_of_the_step():
+    from rl_async.train.torch_trainer import TorchTrainerConfig, lr_at
+
+    cfg = TorchTrainerConfig(hf_config={"model_type": "llama"}, lr=1.0, lr_schedule="cosine",
+                             total_steps=10, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0) == pytest.approx(1.0)
+    assert lr_at(cfg, 5) == pytest.approx(0.55)
+    assert lr_at(cfg, 10) == pytest.approx(0.1) == lr_at(cfg, 50)
+    flat = TorchTrainerConfig(hf_config={"model_type": "llama"}, lr=0.5)
+    assert lr_at(flat, 7) == 0.5
+    with pytest.raises(ValueError, match="total_steps"):
+        TorchTrainerConfig(hf_config={"model_type": "llama"}, lr_schedule="cosine")
