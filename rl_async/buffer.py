@@ -27,14 +27,13 @@ compacted when dead entries outnumber live ones.
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from rl_async.asyncio_waiters import Waiters as _Waiters
 from rl_async.queue_metrics import QueueMetrics
 from rl_async.types import Group
 
@@ -52,40 +51,6 @@ _COMPACT_SLACK = 64
 
 class BufferClosedError(RuntimeError):
     """put/get on a closed buffer; the message carries the reason given to `close`."""
-
-
-class _Waiters:
-    """FIFO waiters whose wakeups survive cancellation (the pattern of asyncio.Queue)."""
-
-    def __init__(self) -> None:
-        self._futures: deque[asyncio.Future[None]] = deque()
-
-    def __len__(self) -> int:
-        return len(self._futures)
-
-    async def wait(self) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._futures.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                # Woken, then cancelled before running: hand the wakeup to the next waiter,
-                # or the room it announced would go unused while others keep waiting.
-                self.wake(1)
-            elif fut in self._futures:
-                self._futures.remove(fut)
-            raise
-
-    def wake(self, n: int) -> None:
-        while n > 0 and self._futures:
-            fut = self._futures.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                n -= 1
-
-    def wake_all(self) -> None:
-        self.wake(len(self._futures))
 
 
 class _Take:
