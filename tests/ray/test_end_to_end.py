@@ -37,8 +37,10 @@ def assert_ledger_closed(summary):
 
 
 def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
+    # eval.every_steps=2: one evaluation with a lifecycle drain in the middle of the run.
     cfg, report = small("cluster_configs/local.toml", "async.max_weight_staleness=1",
-                        name="t-async")
+                        "eval.every_steps=2", "run.checkpoint_every=2",
+                        f"run.output_dir={tmp_path}", name="t-async")
     code, summary = run(cfg, report, tmp_path)
     assert code == 0, summary
     assert summary["steps"] == 4 and summary["policy_version"] == 4
@@ -47,6 +49,9 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     # Staleness never exceeds the lag in delivered groups.
     assert summary["staleness"]["max_delivered"] <= 1
     assert 0 <= summary["eval"]["initial_reward"] <= 1
+    # Checkpoints at steps 2 and 4 hold the trainer state and the ledger.
+    assert sorted(p.name for p in (tmp_path / "t-async").glob("step_*")) == [
+        "step_000002", "step_000004"]
 
 
 def test_short_sync_run_is_on_policy(ray_cluster, tmp_path):
