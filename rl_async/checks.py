@@ -69,6 +69,10 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.engine.backend == "embedded" and c.inference_gpus and c.gpus_per_engine != 1:
         errors.append(f"cluster.gpus_per_engine = {c.gpus_per_engine}: the embedded engine runs "
                       f"on one GPU (no tensor parallelism); use engine.backend = 'sglang'")
+    if bool(c.trainer_gpus) != bool(c.inference_gpus):
+        errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} and cluster.inference_gpus = "
+                      f"{c.inference_gpus}: weights are published over NCCL (both on GPU) or gloo "
+                      f"(both on CPU); put trainers and engines on the same kind of device")
     if cfg.train.backend == "megatron" and c.trainer_gpus == 0:
         errors.append("train.backend = 'megatron' needs cluster.trainer_gpus > 0")
     if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:

@@ -169,3 +169,9 @@ def test_async_requires_tis():
     r = report(train={"use_tis": False})
     assert any("train.use_tis" in e for e in r.errors)
     assert report(run={"profile": "dev"}, train={"use_tis": False}).ok
+
+
+def test_trainers_and_engines_on_the_same_kind_of_device():
+    r = report(cluster={"trainer_gpus": 1, "trainer_workers": 1})
+    assert any("cluster.trainer_gpus = 1" in e and "cluster.inference_gpus = 0" in e
+               for e in r.errors)
