@@ -16,7 +16,8 @@ from rl_async import collective
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.types import Group
-from rl_async.weights import bucket_named_tensors, flatten_bucket, weights_checksum
+from rl_async.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
+                              weights_checksum)
 
 PUBLICATION_GROUP = "rl_async_publication"
 
@@ -130,7 +131,7 @@ class TrainerWorker:
                 self._buckets.append(flat_t)
             else:
                 names, dtypes, shapes = ([n for n, _ in bucket],
-                                         [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                                         [dtype_name(t.dtype) for _, t in bucket],
                                          [list(t.shape) for _, t in bucket])
                 self._buckets.append([t.detach().clone() for _, t in bucket])
             metas.append((names, dtypes, shapes, nbytes))

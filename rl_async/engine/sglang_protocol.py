@@ -143,6 +143,12 @@ def update_distributed_payload(names: list[str], dtypes: list[Any], shapes: list
         "flush_cache": flush_cache,
         "abort_all_requests": False,
     }
+    return _with_update_options(payload, weight_version, load_format)
+
+
+def _with_update_options(payload: dict[str, Any], weight_version: int | None,
+                         load_format: str | None) -> dict[str, Any]:
+    """The optional fields both weight-update requests share (SGLang takes versions as str)."""
     if weight_version is not None:
         payload["weight_version"] = str(weight_version)
     if load_format is not None:
@@ -161,11 +167,7 @@ def update_tensor_payload(serialized_per_rank: list[bytes], weight_version: int 
         "flush_cache": flush_cache,
         "abort_all_requests": False,
     }
-    if weight_version is not None:
-        payload["weight_version"] = str(weight_version)
-    if load_format is not None:
-        payload["load_format"] = load_format
-    return payload
+    return _with_update_options(payload, weight_version, load_format)
 
 
 def serialize_named_tensors(named_tensors: list, tp_size: int) -> list[bytes]:
