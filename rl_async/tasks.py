@@ -11,9 +11,11 @@ position and apply the rule; a tenth of the digit strings is held out for evalua
 eval reward measures generalisation to unseen prompts, not memorisation. A random tiny model
 starts near 1/vocab and RL lifts it close to 1.0 in a few dozen updates on a CPU.
 
-JSONL rows: {"prompt_ids": [int, ...], ...} or {"prompt": "text", "answer": "..."}. Text
-prompts are tokenized with the model's tokenizer (its chat template when it has one; a
-digit-only prompt without a tokenizer uses the built-in digit tokens). Every other field is
+JSONL rows: {"prompt_ids": [int, ...], ...}, {"prompt": "text", "answer": "..."} or
+{"messages": [{"role": "system", "content": ...}, {"role": "user", ...}], "answer": ...}.
+Text and messages go through the model's tokenizer and its chat template (when it has one;
+a digit-only prompt without a tokenizer uses the built-in digit tokens). Token ids are
+checked against the model's vocabulary when the file is loaded. Every other field is
 kept as metadata for the reward function; `answer_match_reward` compares the decoded
 response's final answer with `answer`.
 """
@@ -107,36 +109,83 @@ def exact_match_reward(sample: Sample) -> float:
     return 1.0 if response == list(answer) else 0.0
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """`messages`: a non-empty list of {"role", "content"} chat messages (system, user, earlier
+    turns); the conversation to continue, so its last message must not be the assistant's."""
+    if not (isinstance(messages, list) and messages):
+        raise DatasetError(f"{where}: messages must be a non-empty list of "
+                           f"{{\"role\": ..., \"content\": ...}} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES
+                and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: messages[{i}] = {m!r}: needs a role in {ROLES} and a "
+                               f"string content")
+    if messages[-1]["role"] == "assistant":
+        raise DatasetError(f"{where}: messages ends with an assistant turn; the last message "
+                           f"is the one the policy answers (user or tool)")
+    return messages
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ready for the assistant's answer: through the chat template
+    when the tokenizer has one, else the plain text of a single message.
+
+    The template is rendered to text and then encoded without extra special tokens, so the
+    result is a plain list of ints whatever `apply_chat_template(tokenize=True)` returns in the
+    installed transformers (a BatchEncoding in 5.x: listing it gives its keys)."""
     if getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                  add_generation_prompt=True, tokenize=True))
-    return list(tokenizer.encode(text))
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    if len(messages) != 1:
+        raise DatasetError("a multi-turn `messages` row needs a tokenizer with a chat template "
+                           "(model.path's tokenizer_config.json has none)")
+    return [int(t) for t in tokenizer.encode(messages[0]["content"])]
 
 
-def _row_to_prompt(row: Any, where: str, tokenizer=None) -> Prompt:
+def _check_ids(ids: Any, where: str, field_name: str, vocab_size: int | None) -> list[int]:
+    if not (isinstance(ids, list) and ids and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise DatasetError(f"{where}: {field_name} must be a non-empty list of int token ids")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise DatasetError(f"{where}: {field_name} has token ids {bad[:5]} outside the model's "
+                           f"vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _row_to_prompt(row: Any, where: str, tokenizer=None, vocab_size: int | None = None) -> Prompt:
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
     text = row.get("prompt")
     if "prompt_ids" in row:
-        ids = row["prompt_ids"]
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and t >= 0 for t in ids)):
-            raise DatasetError(f"{where}: prompt_ids must be a non-empty list of token ids >= 0")
+        ids, field_name = row["prompt_ids"], "prompt_ids"
+    elif "messages" in row:
+        if tokenizer is None:
+            raise DatasetError(f"{where}: messages need model.path with a tokenizer")
+        ids, field_name = encode_messages(tokenizer, _check_messages(row["messages"], where)), \
+            "messages"
     elif isinstance(text, str) and text.strip() and tokenizer is not None:
-        ids = _encode(tokenizer, text)
+        ids, field_name = encode_messages(tokenizer, [{"role": "user", "content": text}]), "prompt"
     elif isinstance(text, str) and text.strip().isdigit():
-        ids = [BOS] + [DIGIT0 + int(ch) for ch in text.strip()]
+        ids, field_name = [BOS] + [DIGIT0 + int(ch) for ch in text.strip()], "prompt"
     else:
-        raise DatasetError(f"{where}: needs 'prompt_ids' (list of ints) or a non-empty 'prompt' "
-                           f"(text needs model.path with a tokenizer; digits work without)")
-    meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "prompt", "id")}
+        raise DatasetError(f"{where}: needs 'prompt_ids' (list of ints), 'messages' (chat) or "
+                           f"a non-empty 'prompt' (text needs model.path with a tokenizer; "
+                           f"digits work without)")
+    ids = _check_ids(ids, where, field_name, vocab_size)
+    meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "prompt", "messages", "id")}
     if ("answer" in meta and "answer_ids" not in meta and tokenizer is None
             and str(meta["answer"]).isdigit()):
         meta["answer_ids"] = [DIGIT0 + int(ch) for ch in str(meta["answer"])]
     return Prompt(prompt_id=str(row.get("id", where)), prompt_ids=list(ids), metadata=meta)
 
 
-def load_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
+def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[Prompt]:
+    """Every row of a JSONL prompt file; token ids are checked against `vocab_size` here, at
+    load time, so a bad row stops the run at start with its file, line and field."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"task.path = {str(p)!r}: file not found")
@@ -149,7 +198,7 @@ def load_jsonl(path: str | Path, tokenizer=None) -> list[Prompt]:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-        prompts.append(_row_to_prompt(row, where, tokenizer))
+        prompts.append(_row_to_prompt(row, where, tokenizer, vocab_size))
     if not prompts:
         raise DatasetError(f"task.path = {str(p)!r}: no prompts in the file")
     return prompts
@@ -161,7 +210,7 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
     path = task_cfg.path if split == "train" else (task_cfg.eval_path or task_cfg.path)
-    return load_jsonl(path, tokenizer)
+    return load_jsonl(path, tokenizer, vocab_size)
 
 
 def load_tokenizer(model_cfg):
