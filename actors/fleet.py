@@ -169,15 +169,29 @@ class RayFleet:
                                          for t, (dp, size) in zip(self.trainers, self.dp_ranks)))
         return results[0]
 
-    async def evaluate(self) -> float:
+    async def evaluate(self) -> dict[str, float]:
         return await self.producer.evaluate.remote(self.eval_prompts)
 
-    async def checkpoint(self, step: int, version: int) -> None:
+    def _collective_ranks(self) -> list:
+        """Ranks that take part in gathering the full weights (all of megatron's)."""
+        return self.trainers if self.cfg.train.backend == "megatron" else self.trainers[:1]
+
+    async def export(self, directory: str) -> str:
+        """The policy as a Hugging Face directory at `directory` (loadable with
+        AutoModelForCausalLM.from_pretrained)."""
+        out = await asyncio.gather(*(t.export_hf.remote(directory)
+                                     for t in self._collective_ranks()))
+        return out[0]
+
+    async def checkpoint(self, step: int, version: int) -> str:
+        """Trainer state + ledger, and the policy exported to `<checkpoint>/hf`."""
         directory = Path(self.cfg.run.output_dir) / self.cfg.run.name / f"step_{step:06d}"
         ledger = await self.source.state_dict.remote()
         await asyncio.gather(*(t.save_checkpoint.remote(str(directory),
                                                         {"ledger": ledger, "version": version})
                                for t in self.trainers))
+        await self.export(str(directory / "hf"))
+        return str(directory)
 
     async def metrics(self) -> dict[str, float]:
         parts = await asyncio.gather(self.buffer.metrics.remote(), self.producer.metrics.remote(),
@@ -209,7 +223,7 @@ class RayFleet:
         """Trainer rank 0 copies the weights into its publication buckets."""
         flat = self.cfg.engine.backend == "embedded"
         bucket_bytes = self.cfg.publication.bucket_bytes
-        ranks = self.trainers if self.cfg.train.backend == "megatron" else self.trainers[:1]
+        ranks = self._collective_ranks()
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
 
@@ -235,7 +249,7 @@ class RayFleet:
         return await self.send(version)
 
     async def verify_weights(self) -> None:
-        want = await self.trainers[0].weights_checksum.remote()
+        want = await self.trainers[0].snapshot_checksum.remote()
         got = await asyncio.gather(*(e.weights_checksum.remote() for e in self.engines))
         bad = [i for i, g in enumerate(got) if g != want]
         if bad:

@@ -15,6 +15,8 @@ import torch
 from rl_async import collective
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.engine.models import resolve_dtype
+from rl_async.hf_export import export_hf
 from rl_async.types import Group
 from rl_async.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
                               weights_checksum)
@@ -120,6 +122,13 @@ class TrainerWorker:
         self._buckets = []
         if self.rank != 0:
             return []
+        # fp32 master weights train; engines serve model.dtype, so that is what travels
+        # (bf16 halves the bytes) and what the engines' checksum is compared with.
+        dtype = resolve_dtype(self.cfg.model.dtype)
+        live = {n: t.data_ptr() for n, t in named}
+        named = [(n, t.to(dtype)) for n, t in named]  # a copy only where the dtype differs
+        self._snapshot_checksum = (weights_checksum(named)
+                                   if self.cfg.publication.verify_checksum else None)
         metas = []
         for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
             nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
@@ -133,7 +142,9 @@ class TrainerWorker:
                 names, dtypes, shapes = ([n for n, _ in bucket],
                                          [dtype_name(t.dtype) for _, t in bucket],
                                          [list(t.shape) for _, t in bucket])
-                self._buckets.append([t.detach().clone() for _, t in bucket])
+                # the snapshot: copy what is still a view of the live weights
+                self._buckets.append([t.clone() if t.data_ptr() == live[n] else t
+                                      for n, t in bucket])
             metas.append((names, dtypes, shapes, nbytes))
         return metas
 
@@ -147,8 +158,29 @@ class TrainerWorker:
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:
         return self.trainer.save_checkpoint(directory, extra)
 
+    def export_hf(self, directory: str) -> str | None:
+        """Write the policy as a Hugging Face directory (rl_async.hf_export). Every megatron
+        rank takes part in gathering the shards; rank 0 writes."""
+        named = self.trainer.named_tensors_for_publication()
+        if self.rank != 0:
+            return None
+        m = self.cfg.model
+        return str(export_hf(named, directory, hf_config=m.hf_config, path=m.path,
+                             dtype=m.dtype))
+
     def weights_checksum(self) -> str:
-        return weights_checksum(self.trainer.named_tensors_for_publication())
+        """The live weights, in the engines' dtype."""
+        dtype = resolve_dtype(self.cfg.model.dtype)
+        return weights_checksum((n, t.to(dtype))
+                                for n, t in self.trainer.named_tensors_for_publication())
+
+    def snapshot_checksum(self) -> str:
+        """The last publication snapshot's checksum (publication.verify_checksum): what the
+        engines must hold, even when training has moved on while the snapshot was sent."""
+        if getattr(self, "_snapshot_checksum", None) is None:
+            raise RuntimeError("snapshot_checksum: no snapshot taken with "
+                               "publication.verify_checksum = true")
+        return self._snapshot_checksum
 
     def named_weights(self) -> list:
         return [(n, t.detach().cpu().clone()) for n, t in self.trainer.named_tensors_for_publication()]

@@ -86,6 +86,10 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
                       "true); it corrects policy lag and engine/trainer mismatch")
     if cfg.task.name == "jsonl" and not cfg.task.path:
         errors.append("task.name = 'jsonl' needs task.path (a JSONL file of prompts)")
+    if cfg.publication.verify_checksum and cfg.engine.backend == "sglang":
+        errors.append("publication.verify_checksum = true needs engine.backend = 'embedded': "
+                      "SGLang 0.5.23's HTTP API returns no checksum of the served weights; "
+                      "set publication.verify_checksum = false")
     if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
         errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
                       f"{cfg.judge.max_replicas}")

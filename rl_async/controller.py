@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rl_async.capacity import CapacityPlan
@@ -42,8 +42,8 @@ class Fleet(PublicationOps, Protocol):
     async def buffer_reserve(self, n_groups: int) -> None: ...
     async def producer_groups_owned(self) -> int: ...
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
-    async def evaluate(self) -> float: ...
-    async def checkpoint(self, step: int, version: int) -> None: ...
+    async def evaluate(self) -> dict[str, float]: ...
+    async def checkpoint(self, step: int, version: int) -> str: ...
     async def metrics(self) -> dict[str, float]: ...
     async def ledger(self) -> dict[str, int]: ...
 
@@ -58,6 +58,11 @@ class Progress:
     discard_fraction: float = 0.0
     initial_eval: float | None = None
     final_eval: float | None = None
+    # [step, wall seconds since the loop started, eval/reward] for every evaluation, and the
+    # first and last evaluation's full metrics (pass@k, mean@k with eval.n_samples).
+    eval_curve: list = field(default_factory=list)
+    eval_first: dict = field(default_factory=dict)
+    eval_last: dict = field(default_factory=dict)
     useful_tokens: int = 0
     max_staleness: int = 0
     staleness_sum: int = 0
@@ -79,13 +84,14 @@ class Controller:
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
         self._overlap_publication = cfg.fully_async and plan.max_weight_staleness >= 1
+        self.checkpoint_dir: str | None = None
+        self._checkpoint_step: int | None = None
 
     async def run(self) -> dict[str, Any]:
         self._start = time.monotonic()
         p = self.progress
         p.phase = "eval"
-        p.initial_eval = await self.fleet.evaluate()
-        self.log({"eval/reward": p.initial_eval}, 0)
+        p.initial_eval = await self._evaluate()
         self._producer = await self.fleet.producer_task()
         p.phase = "training"
         try:
@@ -100,8 +106,9 @@ class Controller:
         self.log(await self._finish_publication(), p.step)  # final eval needs final weights
         await self._shutdown_drain()
         p.phase = "eval"
-        p.final_eval = await self.fleet.evaluate()
-        self.log({"eval/reward": p.final_eval}, p.step)
+        p.final_eval = await self._evaluate()
+        p.phase = "checkpoint"
+        await self._checkpoint()  # every run ends with a checkpoint and its HF export
         p.phase = "done"
         return await self.summary()
 
@@ -124,7 +131,7 @@ class Controller:
             await self._evaluate_with_drain()
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
-            await self.fleet.checkpoint(p.step, self.version)
+            await self._checkpoint()
 
     async def _publish(self, version: int) -> dict[str, float]:
         """Publish `version`. When the lag allows it (async, lag >= 1), only the snapshot is
@@ -206,11 +213,29 @@ class Controller:
         await self._reserve_for_owned()
         try:
             await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)
-            score = await self.fleet.evaluate()
-            self.log({"eval/reward": score}, self.progress.step)
+            await self._evaluate()
         finally:
             await self.fleet.producer_resume_admission()
             await self.fleet.buffer_reserve(0)
+
+    async def _checkpoint(self) -> None:
+        """A checkpoint at this step (once): trainer state, ledger and the HF export."""
+        p = self.progress
+        if self._checkpoint_step != p.step:
+            self.checkpoint_dir = await self.fleet.checkpoint(p.step, self.version)
+            self._checkpoint_step = p.step
+
+    async def _evaluate(self) -> float:
+        """Evaluate the engines' current policy; logs eval/* and extends the eval curve."""
+        p = self.progress
+        result = await self.fleet.evaluate()
+        wall = time.monotonic() - self._start
+        p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
+        p.eval_first = p.eval_first or dict(result)
+        p.eval_last = dict(result)
+        self.log({**{f"eval/{k}": v for k, v in result.items()}, "eval/wall_seconds": wall},
+                 p.step)
+        return result["reward"]
 
     async def _reserve_for_owned(self) -> None:
         """Stop opening groups, then reserve buffer room for every group the producer owns:
@@ -233,8 +258,11 @@ class Controller:
         wall = time.monotonic() - self._start
         return {
             "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
-            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval},
+            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval,
+                     **{k: v for k, v in p.eval_last.items() if k != "reward"},
+                     "initial": p.eval_first, "curve": p.eval_curve},
             "ledger": await self.fleet.ledger(),
+            "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
                           "max_weight_staleness": self.plan.max_weight_staleness},

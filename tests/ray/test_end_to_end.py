@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import tempfile
 import time
 
 import pytest
@@ -15,7 +16,9 @@ pytestmark = pytest.mark.ray
 
 SMALL = ["run.max_steps=4", "wandb.mode=disabled", "rollout.rollout_batch_size=4",
          "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
-         "train.micro_batch_size=16", "task.num_eval_prompts=8", "sglang.max_running_requests=8"]
+         "train.micro_batch_size=16", "task.num_eval_prompts=8", "sglang.max_running_requests=8",
+         # every run ends with a checkpoint (and its export): keep them out of the repo
+         f"run.output_dir={tempfile.mkdtemp(prefix='rl-async-e2e-')}"]
 
 
 def small(path, *extra, name):
@@ -38,8 +41,11 @@ def assert_ledger_closed(summary):
 
 def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     # eval.every_steps=2: one evaluation with a lifecycle drain in the middle of the run.
+    # verify_checksum with lag 1: publication overlaps the next step, so engines must match
+    # the snapshot that was sent, not the trainer's weights that have moved on since.
     cfg, report = small("cluster_configs/local.toml", "async.max_weight_staleness=1",
                         "eval.every_steps=2", "run.checkpoint_every=2",
+                        "publication.verify_checksum=true", "eval.n_samples=2",
                         f"run.output_dir={tmp_path}", name="t-async")
     code, summary = run(cfg, report, tmp_path)
     assert code == 0, summary
@@ -49,6 +55,12 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     # Staleness never exceeds the lag in delivered groups.
     assert summary["staleness"]["max_delivered"] <= 1
     assert 0 <= summary["eval"]["initial_reward"] <= 1
+    assert 0 <= summary["eval"]["mean@2"] <= summary["eval"]["pass@2"] <= 1
+    # The eval curve: initial, the mid-run drain at step 2, final; wall time increasing.
+    curve = summary["eval"]["curve"]
+    assert [c[0] for c in curve] == [0, 2, 4]
+    assert curve[0][1] < curve[1][1] < curve[2][1] and curve[-1][2] == summary["eval"]["final_reward"]
+    assert summary["export_dir"] == str(tmp_path / "t-async" / "step_000004" / "hf")
     # Checkpoints at steps 2 and 4 hold the trainer state and the ledger.
     assert sorted(p.name for p in (tmp_path / "t-async").glob("step_*")) == [
         "step_000002", "step_000004"]
