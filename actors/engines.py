@@ -31,7 +31,8 @@ def build_engine(cfg: RunConfig, index: int) -> Engine:
     s = cfg.sglang
     return SGLangEngine(SGLangEngineConfig(
         model_path=cfg.model.path, gpus_per_engine=cfg.cluster.gpus_per_engine,
-        host=ray.util.get_node_ip_address(), port=0,
+        # engine i listens on sglang.port_base + i (unique per node whatever the placement)
+        host=ray.util.get_node_ip_address(), port=s.port_base + index,
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         server_args={"dtype": cfg.model.dtype, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))

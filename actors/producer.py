@@ -17,7 +17,8 @@ from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
-from rl_async.producer import Producer, ProducerLimits
+from rl_async.evaluation import eval_metrics
+from rl_async.producer import Producer, ProducerLimits, zero_variance
 from rl_async.rewards import RewardError
 from rl_async.tasks import stop_token_ids
 from rl_async.types import Sample
@@ -53,7 +54,12 @@ class ProducerActor:
                 ref_of(g), "aborted by publication or shutdown"),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
-            group_errors=(EngineError, RewardError))
+            group_errors=(EngineError, RewardError),
+            **({"filter_group": zero_variance,
+                "on_filtered": lambda g, reason: self._call(source, "prompt source",
+                                                            "mark_filtered")(ref_of(g), reason)}
+               if cfg.filter.zero_variance else {}))
+        self._window = {"inserted": 0, "filtered": 0}  # stats at the last metrics() call
 
     @staticmethod
     def _call(handle, role: str, method: str):
@@ -109,23 +115,37 @@ class ProducerActor:
     def groups_owned(self) -> int:
         return self.core.groups_owned
 
-    async def evaluate(self, prompts: list) -> float:
-        """Greedy responses to held-out prompts, scored by the reward actor: mean reward."""
-        greedy = sampling_params(self.cfg, greedy=True)
+    async def evaluate(self, prompts: list) -> dict[str, float]:
+        """Score held-out prompts with the reward actor: one response each (greedy unless
+        eval.greedy = false) plus eval.n_samples sampled ones (rl_async.evaluation)."""
+        first = sampling_params(self.cfg, greedy=self.cfg.eval.greedy)
+        k = self.cfg.eval.n_samples
 
-        async def one(i, p) -> float:
+        async def one(tag: str, p, params) -> float:
             sample = Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
                             metadata=dict(p.metadata))
-            out = await self._generate(sample, f"eval{i}", greedy)
+            out = await self._generate(sample, tag, params)
             sample.response_ids = list(out.output_ids)
-            return await self.reward.score.remote(sample)
+            return await self._call(self.reward, "reward", "score")(sample)
 
-        scores = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        return sum(scores) / max(1, len(scores))
+        async def k_samples(i: int, p) -> list[float]:
+            return list(await asyncio.gather(*(one(f"eval{i}", p, self.sampling)
+                                               for _ in range(k))))
+
+        firsts, *sampled = await asyncio.gather(
+            asyncio.gather(*(one(f"eval{i}", p, first) for i, p in enumerate(prompts))),
+            *(k_samples(i, p) for i, p in enumerate(prompts) if k))
+        return eval_metrics(list(firsts), sampled)
 
     def metrics(self) -> dict[str, float]:
         s = self.core.stats
         out = {f"producer/{k}": float(v) for k, v in vars(s).items() if k != "extra"}
+        # Dynamic sampling, windowed per report: filtered / (filtered + inserted).
+        filtered = s.filtered_groups - self._window["filtered"]
+        inserted = s.inserted_groups - self._window["inserted"]
+        self._window = {"inserted": s.inserted_groups, "filtered": s.filtered_groups}
+        out["rollout/filtered_groups"] = float(filtered)
+        out["rollout/filtered_fraction"] = filtered / max(1, filtered + inserted)
         out.update({f"producer/{k}": float(v) for k, v in self.core.load().items()})
         for load in self.router.loads():
             out[f"engine/{load['engine']}/outstanding_requests"] = load["outstanding_requests"]

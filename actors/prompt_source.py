@@ -24,7 +24,7 @@ def ref_of(group: Group) -> Group:
 class PromptSourceActor:
     def __init__(self, cfg: RunConfig):
         vocab = model_vocab_size(cfg.model)
-        tok = load_tokenizer(cfg.model)
+        tok = load_tokenizer(cfg.model)  # text rows go through its chat template
         self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok), cfg.run.seed)
         self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok)[: cfg.task.num_eval_prompts]
         n = cfg.rollout.n_samples_per_prompt
@@ -51,6 +51,9 @@ class PromptSourceActor:
 
     def mark_aborted(self, ref: Group, reason: str) -> None:
         self.ledger.mark_aborted(ref, reason)
+
+    def mark_filtered(self, ref: Group, reason: str) -> None:
+        self.ledger.mark_filtered(ref, reason)
 
     def mark_failed(self, ref: Group, error: str) -> None:
         self.ledger.mark_failed(ref, error)

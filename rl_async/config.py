@@ -11,6 +11,7 @@ Configs are plain pydantic models: picklable, so they travel to Ray actors as th
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator, PrivateAttr
@@ -55,6 +56,8 @@ class ModelSection(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
+        if self.path is not None and self.path.startswith("~"):
+            self.path = str(Path(self.path).expanduser())
         if (self.hf_config is None) == (self.path is None):
             raise ValueError(
                 "set exactly one of model.hf_config (random weights from a config) or "
@@ -189,7 +192,18 @@ class RewardSection(Section):
 class EvalSection(Section):
     # Evaluate every N optimizer updates (0 = only at start and end).
     every_steps: int = Field(0, ge=0)
+    # eval/reward: one greedy response per prompt (true), or one sampled at
+    # rollout.temperature / top_p / top_k (false).
     greedy: bool = True
+    # k > 0 adds eval/pass@k (best of k sampled rewards per prompt, the share solved for 0/1
+    # rewards) and eval/mean@k (mean of the k), sampled at the rollout settings.
+    n_samples: int = Field(0, ge=0)
+
+
+class FilterSection(Section):
+    # Dynamic sampling: drop groups whose rewards are all equal (no learning signal under
+    # group-normalised advantages); counted as filtered, replaced by new prompts.
+    zero_variance: bool = False
 
 
 class JudgeSection(Section):
@@ -237,6 +251,7 @@ class RunConfig(Section):
     task: TaskSection = Field(default_factory=TaskSection)
     reward: RewardSection = Field(default_factory=RewardSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    filter: FilterSection = Field(default_factory=FilterSection)
     judge: JudgeSection = Field(default_factory=JudgeSection)
     wandb: WandbSection = Field(default_factory=WandbSection)
     # True when the file has an [async] table (SPEC §2); set by the loader, not a user key.

@@ -12,7 +12,7 @@ Limits, all read from the capacity plan (never recomputed here):
 - a full buffer blocks insertion, hence new submissions: no new group is opened while a
   completed group waits for room. Requests already submitted still finish.
 
-Group lifecycle here: opened -> generating -> rewarded -> inserted | aborted | failed.
+Group lifecycle here: opened -> generating -> rewarded -> inserted | filtered | aborted | failed.
 An aborted sample (publication drain past its timeout, shutdown) aborts its group attempt; a
 reward error or a rejected request fails the group with the error. Both are reported to
 the ledger, which regenerates aborted prompts from the original prompt. Any other exception
@@ -30,6 +30,13 @@ from typing import Awaitable, Callable
 
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.types import Group, Sample
+
+
+def zero_variance(group: Group) -> str | None:
+    """`filter.zero_variance`: a group whose rewards are all equal has zero group-normalised
+    advantage everywhere, so it carries no learning signal (dynamic sampling)."""
+    rewards = {s.reward for s in group.samples}
+    return f"zero reward variance (all {next(iter(rewards))})" if len(rewards) == 1 else None
 
 
 @dataclass
@@ -56,6 +63,7 @@ class ProducerStats:
     aborted_samples: int = 0
     aborted_tokens: int = 0
     inserted_groups: int = 0
+    filtered_groups: int = 0
     aborted_groups: int = 0
     failed_groups: int = 0
     generation_seconds: float = 0.0
@@ -75,7 +83,9 @@ class Producer:
                  put: Callable[[Group], Awaitable[None]],
                  on_aborted: Callable[[Group], Awaitable[None]],
                  on_failed: Callable[[Group, str], Awaitable[None]],
-                 group_errors: tuple[type[BaseException], ...] = ()):
+                 group_errors: tuple[type[BaseException], ...] = (),
+                 filter_group: Callable[[Group], str | None] | None = None,
+                 on_filtered: Callable[[Group, str], Awaitable[None]] | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -83,6 +93,9 @@ class Producer:
         self._next_group, self._generate, self._score, self._put = next_group, generate, score, put
         self._on_aborted, self._on_failed = on_aborted, on_failed
         self._group_errors = group_errors
+        if (filter_group is None) != (on_filtered is None):
+            raise ValueError("Producer: pass both filter_group and on_filtered, or neither")
+        self._filter_group, self._on_filtered = filter_group, on_filtered
         self._budget = asyncio.Semaphore(limits.producer_samples)
         self._gen_sem = asyncio.Semaphore(limits.http_slots)
         self._gate = asyncio.Event()        # admission of new groups
@@ -304,6 +317,11 @@ class Producer:
             elif og.aborted:
                 self.stats.aborted_groups += 1
                 await self._on_aborted(og.group)
+            elif self._filter_group is not None and (reason := self._filter_group(og.group)):
+                # A put-time filter: the prompt is done (counted as filtered); admission
+                # opens a new prompt in its place, so collections still fill.
+                self.stats.filtered_groups += 1
+                await self._on_filtered(og.group, reason)
             else:
                 await self._insert(og.group)
         finally:

@@ -1,6 +1,7 @@
 """Producer limits (SPEC §4) with in-process fakes for the source, engines, reward and buffer."""
 
 import asyncio
+import itertools
 
 import pytest
 
@@ -214,3 +215,59 @@ def test_malformed_engine_reply_fails_the_group_with_its_cause():
         assert not w.buffer
         assert "malformed" in w.failed[0][1] and "2 tokens, 1 log-probs" in w.failed[0][1]
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_zero_variance_groups_are_filtered_and_replaced(granularity):
+    from rl_async.producer import zero_variance
+
+    world = World(group_size=3)
+    filtered: list[tuple[str, str]] = []
+
+    calls = itertools.count()
+
+    async def score(sample):  # every third prompt is solved by all its samples
+        return 1.0 if int(sample.prompt_id[1:]) % 3 == 0 else float(next(calls) % 2)
+
+    async def on_filtered(g, reason):
+        filtered.append((g.group_id, reason))
+
+    async def main():
+        p = Producer(ProducerLimits(granularity, 6, 3, 100), next_group=world.next_group,
+                     generate=world.generate, score=score, put=world.put,
+                     on_aborted=world.on_aborted, on_failed=world.on_failed,
+                     filter_group=zero_variance, on_filtered=on_filtered)
+        p.set_target(6)  # sync mode: exactly six groups must land in the buffer
+        task = asyncio.create_task(p.run())
+        while len(world.buffer) < 6:
+            await asyncio.sleep(0.005)
+        await p.wait_idle()
+        p.stop()
+        await task
+        return p
+
+    p = asyncio.run(main())
+    assert len(world.buffer) == 6  # collections still fill: filtered prompts were replaced
+    assert all(len({s.reward for s in g.samples}) > 1 for g in world.buffer)
+    assert filtered and all("zero reward variance" in r for _, r in filtered)
+    assert p.stats.filtered_groups == len(filtered)
+    assert len(world.opened) == 6 + len(filtered) + len(world.failed) + len(world.aborted)
+
+
+def test_zero_variance_needs_equal_rewards():
+    from rl_async.producer import zero_variance
+
+    same = Group("g", [Sample("p", reward=0.0), Sample("p", reward=0.0)])
+    mixed = Group("g", [Sample("p", reward=0.0), Sample("p", reward=1.0)])
+    assert zero_variance(same) == "zero reward variance (all 0.0)"
+    assert zero_variance(mixed) is None
+
+
+def test_eval_metrics_pass_and_mean_at_k():
+    from rl_async.evaluation import eval_metrics
+
+    m = eval_metrics([1.0, 0.0], [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert m == {"reward": 0.5, "pass@3": 0.5, "mean@3": 1 / 6}
+    assert eval_metrics([0.0, 1.0, 1.0]) == {"reward": 2 / 3}
+    with pytest.raises(ValueError, match="same k"):
+        eval_metrics([1.0], [[1.0], [1.0, 0.0]])
