@@ -8,7 +8,7 @@ from pathlib import Path
 
 import ray
 
-from actors.fleet import RayFleet
+from actors.fleet import RayFleet, Resume
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.controller import Controller
@@ -17,8 +17,10 @@ from rl_async.metrics import MemorySink, MetricsLogger, WandbSink
 
 @ray.remote(num_cpus=0)
 class ControllerActor:
-    def __init__(self, cfg: RunConfig, plan: CapacityPlan, warnings: list[dict]):
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, warnings: list[dict],
+                 run_dir: str | None = None, resume: Resume | None = None):
         self.cfg, self.plan, self.warnings = cfg, plan, warnings
+        self.run_dir, self.resume = run_dir, resume
         self.controller: Controller | None = None
         self.fleet: RayFleet | None = None
         self.memory = MemorySink()
@@ -40,13 +42,21 @@ class ControllerActor:
 
     async def run(self) -> dict:
         logger = self._logger()
-        self.fleet = RayFleet(self.cfg, self.plan)
+        self.fleet = RayFleet(self.cfg, self.plan, self.run_dir, self.resume)
+        r = self.resume
         try:
             await self.fleet.start()
-            self.controller = Controller(self.cfg, self.plan, self.fleet, logger.log)
+            self.controller = Controller(self.cfg, self.plan, self.fleet, logger.log,
+                                         start_step=r.step if r else 0,
+                                         start_version=r.version if r else 0)
+            if r is not None:
+                self.controller.checkpoint_dir = r.path
             self.controller.stop_requested = self._stop_requested  # asked during start-up
             summary = await self.controller.run()
             summary["failures"] = await self.fleet.source.failures.remote()
+            summary["run_dir"] = str(self.fleet.run_dir)
+            if r is not None:
+                summary["resumed_from"] = {"step": r.step, "path": r.path}
             return summary
         except BaseException as exc:
             self.error = f"{type(exc).__name__}: {exc}"

@@ -14,7 +14,7 @@ from rl_async.config import RunConfig
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 
 
-def build_engine(cfg: RunConfig, index: int) -> Engine:
+def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
     if cfg.engine.backend == "embedded":
         from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
@@ -25,7 +25,8 @@ def build_engine(cfg: RunConfig, index: int) -> Engine:
             max_running_requests=cfg.sglang.max_running_requests,
             max_total_tokens=cfg.engine.max_total_tokens,
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
-            sampling_seed=cfg.run.seed * 1000 + index))
+            # a resumed run continues with fresh randomness, not the start's stream again
+            sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang
@@ -40,9 +41,9 @@ def build_engine(cfg: RunConfig, index: int) -> Engine:
 
 @ray.remote
 class EngineActor:
-    def __init__(self, cfg: RunConfig, index: int):
+    def __init__(self, cfg: RunConfig, index: int, start_version: int = 0):
         self.index = index
-        self.engine = build_engine(cfg, index)
+        self.engine = build_engine(cfg, index, start_version)
 
     async def start(self) -> dict:
         """Launch/attach (SGLang) and report where this engine runs."""

@@ -8,6 +8,7 @@ group, and publishes version 0 so every engine provably starts from the trainer'
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -20,6 +21,7 @@ from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
 from actors.trainer import PUBLICATION_GROUP, TrainerWorker
+from rl_async import checkpoints as ckpts
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.types import Group
@@ -39,9 +41,22 @@ def _placement(bundles: list[dict], what: str, key: str):
     return pg
 
 
+@dataclass(frozen=True)
+class Resume:
+    """Where a resumed run starts: a complete checkpoint (rl_async.checkpoints)."""
+    path: str
+    step: int
+    version: int
+    ledger: dict
+
+
 class RayFleet:
-    def __init__(self, cfg: RunConfig, plan: CapacityPlan):
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, run_dir: str | None = None,
+                 resume: Resume | None = None):
         self.cfg, self.plan = cfg, plan
+        self.run_dir = Path(run_dir) if run_dir else ckpts.new_run_dir(cfg.run.output_dir,
+                                                                      cfg.run.name)
+        self.resume = resume
         self.prefix = cfg.run.name
         self.pgs: list = []
         self.actors: list = []
@@ -62,7 +77,9 @@ class RayFleet:
         engine_bundle = {"CPU": c.engine_cpus, **({"GPU": c.gpus_per_engine} if gpu else {})}
         self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
                                    "cluster.inference_gpus / cluster.cpu_engines"))
-        self.engines = [self._named(EngineActor, f"engine-{i}", cfg, i, pg=self.pgs[-1],
+        start_version = self.resume.version if self.resume else 0
+        self.engines = [self._named(EngineActor, f"engine-{i}", cfg, i, start_version,
+                                    pg=self.pgs[-1],
                                     bundle=i, num_cpus=c.engine_cpus,
                                     num_gpus=c.gpus_per_engine if gpu else 0)
                         for i in range(plan.engines)]
@@ -91,9 +108,18 @@ class RayFleet:
         addr, port = await self.trainers[0].address.remote()
         await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
         self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
+        version = 0
+        if self.resume is not None:  # trainer state and ledger, before any generation
+            r = self.resume
+            await asyncio.gather(*(t.load_checkpoint.remote(r.path) for t in self.trainers))
+            await self.source.load_state_dict.remote(r.ledger)
+            ckpts.trim_trained_log(self.run_dir, r.step)
+            version = r.version
         await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
-        await self.transfer(0)  # engines start from exactly the trainer's weights
+        # engines start from exactly the trainer's (restored) weights
+        await self.transfer(version)
+        await self.buffer.set_version.remote(version)
 
     async def _init_publication_group(self) -> None:
         addr, port = await self.trainers[0].address.remote()
@@ -184,14 +210,24 @@ class RayFleet:
         return out[0]
 
     async def checkpoint(self, step: int, version: int) -> str:
-        """Trainer state + ledger, and the policy exported to `<checkpoint>/hf`."""
-        directory = Path(self.cfg.run.output_dir) / self.cfg.run.name / f"step_{step:06d}"
+        """A complete checkpoint or none (rl_async.checkpoints): trainer state from the
+        ranks that hold it and the policy as `hf/`, staged, then meta.json with the ledger
+        and the config, then one rename. The producer keeps generating meanwhile."""
+        staged = ckpts.staging_dir(self.run_dir, step)
+        # The ledger first: every group it lists as delivered is in the weights saved next
+        # (the controller trains no further collection until this returns).
         ledger = await self.source.state_dict.remote()
-        await asyncio.gather(*(t.save_checkpoint.remote(str(directory),
-                                                        {"ledger": ledger, "version": version})
+        await asyncio.gather(*(t.save_checkpoint.remote(str(staged), {"version": version})
                                for t in self.trainers))
-        await self.export(str(directory / "hf"))
-        return str(directory)
+        await self.export(str(staged / "hf"))
+        final = ckpts.finalize(self.run_dir, step, {
+            "policy_version": version, "ledger": ledger, "config": self.cfg.to_dict()},
+            self.cfg.run.keep_checkpoints)
+        return str(final)
+
+    async def record_trained(self, step: int, version: int, groups: list[Group]) -> None:
+        ckpts.append_trained(self.run_dir, step, version, [
+            (g.group_id, g.attempt, g.oldest_version()) for g in groups])
 
     async def metrics(self) -> dict[str, float]:
         parts = await asyncio.gather(self.buffer.metrics.remote(), self.producer.metrics.remote(),

@@ -158,6 +158,10 @@ class TrainerWorker:
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:
         return self.trainer.save_checkpoint(directory, extra)
 
+    def load_checkpoint(self, directory: str) -> dict:
+        """Resume: model, optimizer, step, policy version and RNG states (every rank)."""
+        return self.trainer.load_checkpoint(directory)
+
     def export_hf(self, directory: str) -> str | None:
         """Write the policy as a Hugging Face directory (rl_async.hf_export). Every megatron
         rank takes part in gathering the shards; rank 0 writes."""

@@ -92,14 +92,23 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (steps, eval, ledger, throughput) here at the end.")
-def run(file: str, overrides: tuple[str, ...], summary_json: str | None) -> None:
+@click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None,
+              metavar="[PATH]", help="Continue from the latest complete checkpoint of the "
+              "newest run under <run.output_dir>/<run.name>, or from PATH (a checkpoint or a "
+              "run directory).")
+def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
+        resume: str | None) -> None:
     """Run training: a local Ray cluster on 127.0.0.1, or the cluster in RAY_ADDRESS."""
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
     from launch.run import run_training  # heavy imports only after the config is valid
+    from rl_async.checkpoints import ResumeError
 
-    sys.exit(run_training(cfg, report, summary_json))
+    try:
+        sys.exit(run_training(cfg, report, summary_json, resume))
+    except ResumeError as exc:
+        _fail([str(exc)])
 
 
 @main.command(name="prepare-model")

@@ -85,15 +85,55 @@ def _progress_line(p: dict) -> str:
             f"discard {p['discard_fraction']:.3f}")
 
 
-def run_training(cfg: RunConfig, report: Report, summary_json: str | None) -> int:
+def resolve_resume(cfg: RunConfig, resume: str | None):
+    """`--resume [PATH]` -> (run directory, Resume) or (None, None) for a fresh run. Refuses
+    config changes the checkpoint cannot survive, naming the key."""
+    if resume is None:
+        return None, None
+    from actors.fleet import Resume
+    from rl_async import checkpoints as ckpts
+
+    path = ckpts.find_checkpoint(cfg.run.output_dir, cfg.run.name,
+                                 None if resume == LATEST else resume)
+    meta = ckpts.load_meta(path)
+    changes = ckpts.incompatible_changes(meta["config"], cfg.to_dict())
+    if changes:
+        raise ckpts.ResumeError(f"cannot resume {path}: " + "; ".join(changes))
+    print(f"[rl-async] resuming from {path} (step {meta['step']}, policy version "
+          f"{meta['policy_version']})", flush=True)
+    return str(path.parent), Resume(str(path), int(meta["step"]), int(meta["policy_version"]),
+                                    meta["ledger"])
+
+
+LATEST = "latest"  # `--resume` without a path
+
+
+def _warn_shared_storage(cfg: RunConfig) -> None:
+    """Checkpoints are written by the ranks that hold the data, on whatever node they run:
+    with several nodes, run.output_dir must be storage they all share."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    out = cfg.run.output_dir
+    if len(nodes) > 1 and (not os.path.isabs(out) or out.startswith("/tmp")):
+        print(f"[rl-async] warning: run.output_dir = {out!r} on a {len(nodes)}-node cluster: "
+              f"checkpoints and exports need shared storage (an absolute path every node "
+              f"mounts); a relative path under `ray job submit` lands in the job's temporary "
+              f"working dir and is lost", flush=True)
+
+
+def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
+                 resume: str | None = None) -> int:
     _print_plan(cfg, report)
+    run_dir, resume_from = resolve_resume(cfg, resume)
     started = _init_ray(cfg)
     import ray
 
     from actors.controller import ControllerActor
 
+    _warn_shared_storage(cfg)
     controller = ControllerActor.options(name=f"{cfg.run.name}/controller").remote(
-        cfg, report.plan, [w.to_dict() for w in report.warnings])
+        cfg, report.plan, [w.to_dict() for w in report.warnings], run_dir, resume_from)
     run_ref = controller.run.remote()
 
     stop_signal: list[int] = []

@@ -203,13 +203,14 @@ class CompletedBuffer:
         self._advance_version(current_version, "get")
         self._raise_if_closed("get")
         start = self._clock()
-        self._record_resident_staleness(current_version)
         take = _Take()
         self._takes.add(take)
         try:
             while True:
                 self._take_eligible(take, n_groups, current_version)
                 if len(take.items) >= n_groups:
+                    # what stays behind after this drain, aged at the get's version
+                    self._record_resident_staleness(current_version)
                     return self._deliver(take)
                 await self._getters.wait()
                 self._raise_if_closed("get")

@@ -96,7 +96,24 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     return errors
 
 
+GPUS_PER_NODE = 8  # the usual GPU node; more GPUs than this means several nodes
+
+
+def storage_warnings(cfg: RunConfig) -> list[Warning_]:
+    """Checkpoints and exports are written by the ranks that hold the data, on their own
+    nodes: a multi-node run needs run.output_dir on storage every node shares."""
+    c, out = cfg.cluster, cfg.run.output_dir
+    multi_node = c.inference_gpus + c.trainer_gpus > GPUS_PER_NODE
+    if multi_node and (not out.startswith("/") or out.startswith("/tmp")):
+        return [Warning_("OUTPUT_DIR_NOT_SHARED", (
+            f"run.output_dir = {out!r} with {c.inference_gpus + c.trainer_gpus} GPUs (more "
+            f"than one node): checkpoints need an absolute path on shared storage every node "
+            f"mounts; a relative path under `ray job submit` lands in the job's temporary "
+            f"working dir and is lost"))]
+    return []
+
+
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-    return Report(plan=plan, warnings=warnings, errors=errors)
+    return Report(plan=plan, warnings=warnings + storage_warnings(cfg), errors=errors)

@@ -30,8 +30,11 @@ class RunSection(Section):
     max_steps: PositiveInt = 20
     # Where checkpoints, the summary and W&B files go.
     output_dir: str = "runs"
-    # Optimizer updates between checkpoints; 0 = only at the end.
+    # Optimizer updates between checkpoints; 0 = only at the end (every run, and every
+    # graceful stop, ends with one). Each holds the policy as a Hugging Face dir (`hf/`).
     checkpoint_every: int = Field(0, ge=0)
+    # Complete checkpoints kept per run directory, newest first; 0 keeps all.
+    keep_checkpoints: int = Field(3, ge=0)
 
 
 class ClusterSection(Section):

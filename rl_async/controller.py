@@ -44,6 +44,7 @@ class Fleet(PublicationOps, Protocol):
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
     async def evaluate(self) -> dict[str, float]: ...
     async def checkpoint(self, step: int, version: int) -> str: ...
+    async def record_trained(self, step: int, version: int, groups: list[Group]) -> None: ...
     async def metrics(self) -> dict[str, float]: ...
     async def ledger(self) -> dict[str, int]: ...
 
@@ -72,11 +73,14 @@ class Progress:
 
 class Controller:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
-                 log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0):
+                 log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0,
+                 start_step: int = 0, start_version: int = 0):
+        """`start_step` / `start_version`: a resumed run continues the counts of its
+        checkpoint (run.max_steps is the run's total)."""
         self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
-        self.version = 0
+        self.version = start_version
         self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s)
-        self.progress = Progress()
+        self.progress = Progress(step=start_step, version=start_version)
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
         self._start = 0.0
@@ -85,7 +89,8 @@ class Controller:
         self._pub_task: asyncio.Future | None = None
         self._overlap_publication = cfg.fully_async and plan.max_weight_staleness >= 1
         self.checkpoint_dir: str | None = None
-        self._checkpoint_step: int | None = None
+        # a resumed run already holds the checkpoint of its start step
+        self._checkpoint_step: int | None = start_step if start_step else None
 
     async def run(self) -> dict[str, Any]:
         self._start = time.monotonic()
@@ -120,8 +125,10 @@ class Controller:
         groups = await self._get_collection()
         wait = time.monotonic() - wait_start
         train_metrics = await self.fleet.train(groups, self.version)
+        trained_at = self.version
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
+        await self.fleet.record_trained(p.step, trained_at, groups)
         pub_metrics = await self._publish(self.version)
         metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
         metrics.update(self._collection_metrics(groups, wait))

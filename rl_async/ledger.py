@@ -11,9 +11,12 @@ how it ends. A prompt's attempt moves through
       prompt, issued by next_group() before the cursor advances; with no attempts left that
       attempt ends as failed (with the reason) instead; handler "drop" does not retry.
 
-Counting is per attempt: each issued attempt adds one `submitted_groups` and ends exactly once,
-so `unaccounted = submitted - every other count` is 0 at every moment. A retry is counted only
-when it is issued. Wire a CompletedBuffer to the ledger with
+Counting is per attempt: each issued attempt adds one `submitted_groups` where it is issued,
+and ends exactly once in a terminal counter (delivered, discarded, evicted, aborted, filtered,
+failed). The resident counts (in flight, buffered) are not counters: they are read off the
+table of live attempts. `unaccounted = submitted - terminal - resident` is therefore an
+independent conservation check, 0 unless a transition loses or double-counts an attempt. A
+retry is counted only when it is issued. Wire a CompletedBuffer to the ledger with
 `CompletedBuffer(..., **ledger.buffer_callbacks())` so insertion, discard, eviction and delivery
 are recorded synchronously at the moment they happen.
 """
@@ -28,10 +31,10 @@ from typing import Any
 from rl_async.types import Group
 
 HANDLERS = ("retry", "drop")
-COUNT_KEYS = (
-    "submitted_groups", "delivered_groups", "discarded_groups", "evicted_groups",
-    "aborted_groups", "filtered_groups", "failed_groups", "in_flight_groups", "buffered_groups",
-)
+TERMINAL_KEYS = ("delivered_groups", "discarded_groups", "evicted_groups", "aborted_groups",
+                 "filtered_groups", "failed_groups")
+RESIDENT_KEYS = ("in_flight_groups", "buffered_groups")
+COUNT_KEYS = ("submitted_groups", *TERMINAL_KEYS, *RESIDENT_KEYS)
 IN_FLIGHT = "in_flight"
 BUFFERED = "buffered"
 RETRY = "retry"  # waiting in the retry queue; no live attempt
@@ -77,7 +80,7 @@ class PromptLedger:
         self._retry: deque[str] = deque()
         self._cursor = 0
         self._exhausted = False
-        self._counts = dict.fromkeys(COUNT_KEYS, 0)
+        self._counts = dict.fromkeys(("submitted_groups", *TERMINAL_KEYS), 0)
         self._failures: list[dict[str, Any]] = []
         self._dropped_prompts = 0
 
@@ -107,10 +110,14 @@ class PromptLedger:
         return self._dropped_prompts
 
     def counts(self) -> dict[str, int]:
-        """The SPEC §11 ledger: every count plus `unaccounted` (always 0)."""
+        """The SPEC §11 ledger: submitted and terminal counters, resident counts read off the
+        live table, and `unaccounted` = submitted - terminal - resident (0 unless a bug)."""
         out = dict(self._counts)
+        states = [p.state for p in self._prompts.values()]
+        out["in_flight_groups"] = states.count(IN_FLIGHT)
+        out["buffered_groups"] = states.count(BUFFERED)
         out["unaccounted"] = out["submitted_groups"] - sum(
-            v for k, v in out.items() if k != "submitted_groups")
+            out[k] for k in (*TERMINAL_KEYS, *RESIDENT_KEYS))
         return out
 
     def failures(self) -> list[dict[str, Any]]:
@@ -128,7 +135,6 @@ class PromptLedger:
                 return None
         prompt.state = IN_FLIGHT
         self._counts["submitted_groups"] += 1
-        self._counts["in_flight_groups"] += 1
         return _fresh(prompt.original, prompt.attempt)
 
     def _new_prompt(self) -> _Prompt | None:
@@ -228,10 +234,6 @@ class PromptLedger:
         return prompt
 
     def _move(self, prompt: _Prompt, state: str) -> None:
-        if prompt.state in _STATE_COUNT:
-            self._counts[_STATE_COUNT[prompt.state]] -= 1
-        if state in _STATE_COUNT:
-            self._counts[_STATE_COUNT[state]] += 1
         prompt.state = state
 
     def _finish(self, prompt: _Prompt, group: Group, count_key: str) -> None:
@@ -268,7 +270,7 @@ class PromptLedger:
             "format": STATE_FORMAT,
             "cursor": self._cursor,
             "exhausted": self._exhausted,
-            "counts": dict(self._counts),
+            "counts": {k: v for k, v in self.counts().items() if k != "unaccounted"},
             "outstanding": [{"group_id": p.original.group_id, "cursor": p.cursor,
                              "attempt": p.attempt, "state": p.state} for p in waiting + live],
             "failures": self.failures(),
@@ -289,22 +291,24 @@ class PromptLedger:
         if set(counts) != set(COUNT_KEYS):
             raise LedgerError(
                 f"load_state_dict: counts keys {sorted(counts)} != {list(COUNT_KEYS)}")
+        resident = {k: 0 for k in RESIDENT_KEYS}
         for entry in state["outstanding"]:
             prompt = self._restore_prompt(entry)
             if entry["state"] in _STATE_COUNT:
-                counts[_STATE_COUNT[entry["state"]]] -= 1
+                resident[_STATE_COUNT[entry["state"]]] += 1
                 counts["aborted_groups"] += 1
                 prompt.attempt += 1
             self._retry.append(entry["group_id"])
-        self._counts = counts
+        if any(resident[k] != counts[k] for k in RESIDENT_KEYS):
+            raise LedgerError(f"load_state_dict: the checkpoint counts {counts} do not match "
+                              f"its outstanding list ({resident})")
+        self._counts = {k: counts[k] for k in ("submitted_groups", *TERMINAL_KEYS)}
         self._cursor = int(state["cursor"])
         self._exhausted = bool(state["exhausted"])
         self._failures = [dict(f) for f in state["failures"]]
         self._dropped_prompts = int(state.get("dropped_prompts", 0))
-        if self.counts()["unaccounted"] != 0 or counts["in_flight_groups"] \
-                or counts["buffered_groups"]:
-            raise LedgerError(f"load_state_dict: inconsistent checkpoint counts {self.counts()}; "
-                              f"in-flight and buffered counts must match the outstanding list")
+        if self.counts()["unaccounted"] != 0:
+            raise LedgerError(f"load_state_dict: inconsistent checkpoint counts {self.counts()}")
 
     def _restore_prompt(self, entry: dict[str, Any]) -> _Prompt:
         if entry["state"] not in (IN_FLIGHT, BUFFERED, RETRY):

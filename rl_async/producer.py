@@ -159,10 +159,9 @@ class Producer:
 
     @property
     def groups_owned(self) -> int:
-        """An upper bound on groups opened and not yet inserted, aborted or failed: the ones
-        in flight plus one the admission loop may be fetching right now (it passed the gate
-        before a pause)."""
-        return self._groups_in_flight + 1
+        """Groups opened (or being fetched) and not yet inserted, filtered, aborted or
+        failed."""
+        return self._groups_in_flight
 
     def load(self) -> dict[str, float]:
         return {"groups_in_flight": self._groups_in_flight,
@@ -194,6 +193,8 @@ class Producer:
             await self._no_pending_put.wait()
             if self._stopped or self._fatal is not None:
                 return False
+            if not self._gate.is_set():  # paused while waiting for a pending put
+                continue
             if self.stats.inserted_groups + self._groups_in_flight < self._target:
                 return True
             await asyncio.sleep(0.01)
@@ -201,12 +202,19 @@ class Producer:
     async def _open_group(self) -> _OpenGroup | None:
         if not await self._wait_admissible():
             return None
-        group = await self._next_group()
-        if group.size != self.limits.group_size:
-            raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
-                             f"rollout.n_samples_per_prompt = {self.limits.group_size}")
+        # Counted before the fetch: the ledger issues the group during it, so a drain that
+        # paused admission meanwhile must wait for this group too (else it ends "idle" with
+        # one group in flight that nobody finishes).
         self._groups_in_flight += 1
         self._idle.clear()
+        try:
+            group = await self._next_group()
+            if group.size != self.limits.group_size:
+                raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
+                                 f"rollout.n_samples_per_prompt = {self.limits.group_size}")
+        except BaseException:
+            self._group_done()
+            raise
         return _OpenGroup(group)
 
     async def _admit_group(self) -> None:
@@ -325,9 +333,12 @@ class Producer:
             else:
                 await self._insert(og.group)
         finally:
-            self._groups_in_flight -= 1
-            if self._groups_in_flight == 0:
-                self._idle.set()
+            self._group_done()
+
+    def _group_done(self) -> None:
+        self._groups_in_flight -= 1
+        if self._groups_in_flight == 0:
+            self._idle.set()
 
     async def _insert(self, group: Group) -> None:
         self._pending_puts += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,18 @@ def load_state(directory: str | os.PathLike, map_location: str | torch.device) -
         raise ValueError(f"{path} has format_version {state.get('format_version')!r}, expected "
                          f"{FORMAT_VERSION}: it was written by another rl-async version")
     return state
+
+
+def rng_state() -> dict[str, Any]:
+    """Python and torch RNG states (CUDA too where present), for an exact continuation."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -359,7 +359,8 @@ class TorchTrainer:
             return None
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step, "policy_version": self.policy_version,
-                 "config": asdict(self.config), "extra": dict(extra or {})}
+                 "config": asdict(self.config), "extra": dict(extra or {}),
+                 "rng": ckpt.rng_state()}
         return str(ckpt.save_state(directory, state))
 
     def load_checkpoint(self, directory: str | os.PathLike) -> dict:
@@ -369,4 +370,6 @@ class TorchTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
+        if "rng" in state:
+            ckpt.set_rng_state(state["rng"])
         return dict(state["extra"])

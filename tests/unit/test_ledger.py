@@ -240,3 +240,27 @@ def test_restore_refuses_a_nondeterministic_source_and_a_used_ledger():
     bad = {**state, "counts": {**state["counts"], "submitted_groups": 5}}
     with pytest.raises(LedgerError, match="inconsistent"):
         PromptLedger(factory, 1).load_state_dict(bad)
+
+
+def test_unaccounted_is_an_independent_check_that_a_broken_counter_fails():
+    ledger = PromptLedger(factory, max_retries=2)
+    groups = [ledger.next_group() for _ in range(4)]
+    ledger.mark_buffered(groups[0])
+    ledger.mark_delivered(groups[0])
+    ledger.mark_aborted(groups[1], "publication")
+    assert ledger.counts()["unaccounted"] == 0
+    assert ledger.counts()["in_flight_groups"] == 2  # read off the table: groups 2 and 3
+    # A transition that forgets its terminal counter: the check sees the lost attempt.
+    original = ledger._finish
+
+    def forgetful_finish(prompt, group, count_key):
+        original(prompt, group, count_key)
+        ledger._counts[count_key] -= 1
+
+    ledger._finish = forgetful_finish
+    ledger.mark_filtered(groups[2], "zero variance")
+    assert ledger.counts()["unaccounted"] == 1
+    # And an issue that is not counted where it happens.
+    ledger._finish = original
+    ledger._counts["submitted_groups"] -= 2
+    assert ledger.counts()["unaccounted"] == -1

@@ -96,10 +96,25 @@ def test_buffer_decisions_feed_counts_bins_and_fractions():
     assert m["consumer_wait_seconds"] == 2.5
     # Consumed staleness leaves the unknown-age group out of the average.
     assert (m["avg_staleness"], m["max_staleness"]) == (0.5, 1)
-    # Resident at the drain (get start, version 3): ages 3 and 1 (unknown left out).
-    assert m["buffer_avg_staleness"] == 2.0 and m["buffer_max_staleness"] == 3
+    # Resident after the drain: nothing ("rest" arrives later), so zeros, not the delivered.
+    assert m["buffer_avg_staleness"] == 0.0 and m["buffer_max_staleness"] == 0
     assert m["queue_size"] == 1
     assert all(v == 0 for k, v in after.items() if k != "queue_size") and after["queue_size"] == 1
+
+
+def test_buffer_staleness_describes_groups_left_after_the_drain():
+    """The miles peer suite's case: puts at versions 4, 6, 8; a get of one group at version
+    10 delivers the version-4 group; the resident 6 and 8 are aged 4 and 2."""
+    async def main():
+        buf = CompletedBuffer(8, max_lag=10)
+        for gid, v in (("a", 4), ("b", 6), ("c", 8)):
+            await buf.put(grp(gid, [3], v))
+        [got] = await buf.get(1, 10)
+        return got, buf.metrics()
+    got, m = run(main())
+    assert got.group_id == "a"
+    assert m["buffer_max_staleness"] == 4 and m["buffer_avg_staleness"] == 3.0
+    assert m["max_staleness"] == 6  # the delivered group's age is reported separately
 
 
 def test_evictions_have_their_own_counters_and_rate():

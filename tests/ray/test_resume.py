@@ -1,0 +1,109 @@
+"""Durable runs on real actors: SIGKILL the driver mid-run, no orphan goes on, resume ends
+where the run should, with no prompt trained twice (rl_async.checkpoints)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from rl_async import checkpoints as ckpts
+
+pytestmark = pytest.mark.ray
+
+STEPS = 8
+ARGS = [f"run.max_steps={STEPS}", "run.checkpoint_every=1", "wandb.mode=disabled",
+        "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
+        "train.global_batch_size=16", "train.micro_batch_size=16", "task.num_eval_prompts=8",
+        "sglang.max_running_requests=8", "run.keep_checkpoints=0"]
+
+
+AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
+
+
+def cli(out: Path, *extra: str) -> list[str]:
+    sets = [a for kv in [*ARGS, f"run.output_dir={out}", "run.name=t-resume"]
+            for a in ("--set", kv)]
+    return [sys.executable, "-m", "launch.cli", "run", "cluster_configs/dev.toml", *sets, *extra]
+
+
+def env():
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def run_dirs(out: Path) -> list[Path]:
+    return sorted((out / "t-resume").glob("run-*"))
+
+
+def test_sigkilled_driver_leaves_no_orphans_and_resume_trains_each_prompt_once(tmp_path):
+    driver = subprocess.Popen(cli(tmp_path), env=env(), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dirs(tmp_path) and len(ckpts.complete_checkpoints(run_dirs(tmp_path)[0])) >= 2):
+            assert driver.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline, "no checkpoint after 240 s"
+            time.sleep(0.2)
+        family = psutil.Process(driver.pid).children(recursive=True)
+        driver.send_signal(signal.SIGKILL)  # mid-collection: step 3 is being generated/trained
+        driver.wait()
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    run_dir = run_dirs(tmp_path)[0]
+    # No orphans: every actor of the run, and the raylet and GCS the driver started, go
+    # with it. (Ray's per-node dashboard and runtime-env agents can outlive a SIGKILLed
+    # local head for a while; they run nothing of the run, and are stopped here by pid.)
+    agents = [p for p in family if p.name() in AGENTS]
+    gone, alive = psutil.wait_procs([p for p in family if p not in agents], timeout=60)
+    assert not alive, alive
+    for p in agents:
+        if p.is_running():
+            p.kill()
+    written = {p.name for p in run_dir.iterdir()}
+    time.sleep(3)
+    assert {p.name for p in run_dir.iterdir()} == written  # nobody writes checkpoints now
+    last = ckpts.complete_checkpoints(run_dir)[-1]
+    killed_at = ckpts.load_meta(last)["step"]
+
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(cli(tmp_path, "--resume", "--summary-json", str(summary_path)),
+                          env=env(), capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["resumed_from"] == {"step": killed_at, "path": str(last)}
+    assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
+    assert summary["run_dir"] == str(run_dir)  # the same run continues in its directory
+    ledger = summary["ledger"]
+    assert ledger["unaccounted"] == 0 and ledger["in_flight_groups"] == 0
+    assert ledger["delivered_groups"] == STEPS * 4  # cumulative over the run
+    # The trained log of the surviving lineage: every step once, every prompt once.
+    rows = [json.loads(line) for line in (run_dir / ckpts.TRAINED_LOG).read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    cursors = [int(g[0].split(":")[0][1:]) for r in rows for g in r["groups"]]
+    assert len(cursors) == len(set(cursors)) == STEPS * 4
+    # Synchronous: the stream continues where the checkpoint says, nothing skipped.
+    assert sorted(cursors) == list(range(STEPS * 4))
+    assert Path(summary["export_dir"]).parent.name == ckpts.step_name(STEPS)
+
+
+def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_path):
+    proc = subprocess.run(cli(tmp_path, "--resume"), env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2 and "no complete checkpoint under" in proc.stderr
+    run_dir = ckpts.new_run_dir(tmp_path, "t-resume")
+    staged = ckpts.staging_dir(run_dir, 3)
+    staged.mkdir()
+    from rl_async.config_load import load_config
+
+    cfg = load_config("cluster_configs/dev.toml",
+                      [*ARGS, f"run.output_dir={tmp_path}", "run.name=t-resume"])
+    ckpts.finalize(run_dir, 3, {"policy_version": 3, "ledger": {}, "config": cfg.to_dict()}, 0)
+    proc = subprocess.run(cli(tmp_path, "--resume", "--set", "rollout.n_samples_per_prompt=8"),
+                          env=env(), capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "rollout.n_samples_per_prompt = 8 but the checkpoint was written with 4" in proc.stderr

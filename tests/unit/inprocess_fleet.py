@@ -1,0 +1,173 @@
+"""The Ray-free core wired in one event loop: the real PromptLedger, CompletedBuffer, Producer,
+Publisher and Controller, with a fake engine (short random delays, abortable) and a fake
+trainer that records what it trained. A "crash" cancels everything and keeps only what a
+checkpoint wrote; `resume` builds a new fleet from it, as `rl-async run --resume` does."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+from dataclasses import dataclass, field
+
+from rl_async.buffer import CompletedBuffer
+from rl_async.engine.base import GenerateOutput
+from rl_async.ledger import PromptLedger
+from rl_async.producer import Producer, ProducerLimits
+from rl_async.types import Group, Sample
+
+
+@dataclass
+class Disk:
+    """What survives a crash: complete checkpoints and the trained log (as in rl_async.checkpoints)."""
+    checkpoints: list[dict] = field(default_factory=list)
+    trained: list[tuple[int, list[str]]] = field(default_factory=list)  # (step, group ids)
+
+    def trim(self, step: int) -> None:
+        self.trained = [t for t in self.trained if t[0] <= step]
+
+
+class FakeEngine:
+    def __init__(self, rng: random.Random, version: int):
+        self.rng, self.version = rng, version
+        self.aborting = False
+        self.running: set[asyncio.Future] = set()
+
+    async def generate(self, sample: Sample, group_id: str) -> GenerateOutput:
+        version = self.version
+        done = asyncio.get_running_loop().create_future()
+        self.running.add(done)
+        try:
+            await asyncio.wait({done}, timeout=self.rng.uniform(0, 0.004))
+        finally:
+            self.running.discard(done)
+        reason = "abort" if done.done() else "stop"
+        return GenerateOutput("r", [1, 2], [-0.5, -0.5], [version, version], reason)
+
+    def abort_all(self) -> None:
+        for f in self.running:
+            if not f.done():
+                f.set_result(None)
+
+
+class InProcessFleet:
+    def __init__(self, cfg, plan, disk: Disk, seed: int, resume: dict | None = None):
+        self.cfg, self.plan, self.disk = cfg, plan, disk
+        self.rng = random.Random(seed)
+        n = plan.group_size
+        self.book = PromptLedger(
+            lambda c: Group(f"c{c}", [Sample(f"p{c}", prompt_ids=[1, c % 7 + 2])
+                                      for _ in range(n)]), max_retries=50)
+        version = 0
+        if resume is not None:
+            self.book.load_state_dict(copy.deepcopy(resume["ledger"]))
+            version = resume["version"]
+            disk.trim(resume["step"])
+        self.engine = FakeEngine(self.rng, version)
+        self.buffer = CompletedBuffer(plan.completed_buffer_groups, plan.max_weight_staleness,
+                                      **self.book.buffer_callbacks())
+        self.buffer.set_version(version)
+
+        async def aborted(g):
+            self.book.mark_aborted(g, "publication or shutdown")
+
+        async def failed(g, err):
+            self.book.mark_failed(g, err)
+
+        async def next_group():
+            await asyncio.sleep(0)
+            return self.book.next_group()
+
+        async def score(sample):
+            return float(self.rng.random() < 0.5)
+
+        self.producer = Producer(
+            ProducerLimits(plan.submission_granularity, plan.producer_samples, n,
+                           plan.http_slots),
+            next_group=next_group, generate=self.engine.generate, score=score,
+            put=self.buffer.put, on_aborted=aborted, on_failed=failed)
+
+    # ---- Fleet -------------------------------------------------------------------------------
+    async def producer_task(self):
+        return asyncio.ensure_future(self.producer.run())
+
+    async def producer_set_target(self, groups):
+        self.producer.set_target(groups)
+
+    async def producer_pause_admission(self):
+        self.producer.pause_admission()
+
+    async def producer_resume_admission(self):
+        self.producer.resume_admission()
+
+    async def producer_wait_idle(self, timeout_s):
+        try:
+            await asyncio.wait_for(self.producer.wait_idle(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def producer_stop(self):
+        self.producer.stop()
+
+    async def get_groups(self, n, version):
+        return await self.buffer.get(n, version)
+
+    async def buffer_set_version(self, version):
+        self.buffer.set_version(version)
+
+    async def buffer_reserve(self, n_groups):
+        if self.buffer.reserved:
+            self.buffer.release_reserve()
+        if n_groups:
+            self.buffer.reserve(n_groups)
+
+    async def producer_groups_owned(self):
+        return self.producer.groups_owned
+
+    async def train(self, groups, version):
+        await asyncio.sleep(self.rng.uniform(0, 0.004))
+        return {}
+
+    async def record_trained(self, step, version, groups):
+        self.disk.trained.append((step, [g.group_id for g in groups]))
+
+    async def evaluate(self):
+        await asyncio.sleep(self.rng.uniform(0, 0.002))
+        return {"reward": 0.0}
+
+    async def checkpoint(self, step, version):
+        await asyncio.sleep(self.rng.uniform(0, 0.002))  # the trainer writes ...
+        state = self.book.state_dict()  # ... then everything lands at once (the rename)
+        self.disk.checkpoints.append({"step": step, "version": version, "ledger": state})
+        return f"step_{step}"
+
+    async def metrics(self):
+        return {}
+
+    async def ledger(self):
+        return self.book.counts()
+
+    # ---- PublicationOps ----------------------------------------------------------------------
+    async def snapshot(self):
+        await asyncio.sleep(0)
+
+    async def stop_submissions(self):
+        self.producer.pause_generation()
+
+    async def drain(self, timeout_s):
+        return await self.producer.drain_generation(timeout_s)
+
+    async def pause_engines(self, mode):
+        self.engine.abort_all()
+
+    async def send(self, version):
+        await asyncio.sleep(self.rng.uniform(0, 0.002))
+        self.engine.version = version
+        return 1
+
+    async def continue_engines(self):
+        pass
+
+    async def resume_submissions(self):
+        self.producer.resume_generation()
