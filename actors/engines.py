@@ -7,6 +7,7 @@ controller drive either backend the same way.
 from __future__ import annotations
 
 import os
+import time
 
 import ray
 
@@ -93,6 +94,19 @@ class EngineActor:
 
     def load(self) -> dict:
         return vars(self.engine.load())
+
+    async def health(self) -> dict:
+        """The supervisor's probe: answers at all (the actor is alive and its loop free),
+        and how long running requests have waited for progress."""
+        if hasattr(self.engine, "health"):  # SGLang: the server process answers too
+            await self.engine.health()
+        stalled = getattr(self.engine, "seconds_without_progress", lambda: 0.0)()
+        return {"index": self.index, "seconds_without_progress": stalled}
+
+    def debug_block(self, seconds: float) -> None:
+        """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,
+        as a wedged server or a driver stuck in a kernel looks from outside."""
+        time.sleep(seconds)
 
     async def shutdown(self) -> None:
         for name in ("shutdown", "close"):

@@ -16,7 +16,9 @@ from actors.prompt_source import ref_of
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
-from rl_async.engine.router import Router
+from rl_async.engine.router import NoHealthyEngine, Router
+from rl_async.faults import FailureBudget, RunStopped, TransientEngineError
+from rl_async.rewards import backoff_s
 from rl_async.evaluation import eval_metrics
 from rl_async.producer import Producer, ProducerLimits, zero_variance
 from rl_async.rewards import RewardError
@@ -55,11 +57,18 @@ class ProducerActor:
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
             group_errors=(EngineError, RewardError),
+            failure_budget=FailureBudget(cfg.run.failure_window_groups,
+                                         cfg.run.max_failed_group_fraction),
             **({"filter_group": zero_variance,
                 "on_filtered": lambda g, reason: self._call(source, "prompt source",
                                                             "mark_filtered")(ref_of(g), reason)}
                if cfg.filter.zero_variance else {}))
         self._window = {"inserted": 0, "filtered": 0}  # stats at the last metrics() call
+        self._routable = asyncio.Event()
+        self._routable.set()
+        self._failed = asyncio.Event()
+        self._fail_message: str | None = None
+        self.faults = {"retried_requests": 0, "last_transient_error": ""}
 
     @staticmethod
     def _call(handle, role: str, method: str):
@@ -70,19 +79,65 @@ class ProducerActor:
                 raise ActorDied(f"the {role} actor died during {method}: {exc}") from None
         return call
 
+    async def _pick(self, group_id: str, cost: int) -> int:
+        """An engine in routing; while every engine is down (restarts under way), wait."""
+        while True:
+            try:
+                return self.router.pick(group_id, cost)
+            except NoHealthyEngine:
+                self._routable.clear()
+                await self._routable.wait()
+
     async def _generate(self, sample: Sample, group_id: str, params=None) -> GenerateOutput:
+        """One request. A transient failure (a dead engine under fault tolerance, a reset
+        connection, an HTTP 5xx, a timeout) aborts the sample after a backoff, so its group
+        is regenerated from the original prompt; a malformed request fails the group."""
         params = params or self.sampling
         cost = len(sample.prompt_ids) + params.max_new_tokens
-        index = self.router.pick(group_id, cost)
+        index = await self._pick(group_id, cost)
         try:
             return await self.engines[index].generate.remote(sample.prompt_ids, params)
         except RayActorError as exc:
-            raise ActorDied(f"engine actor rl-async-engine-{index} died: {exc}") from None
+            if not self.cfg.fault_tolerance:
+                raise ActorDied(f"engine actor {self.cfg.run.name}/engine-{index} died: "
+                                f"{exc}") from None
+            self.router.set_healthy(index, False)  # out of routing now; the supervisor
+            cause = f"engine-{index} died"          # restarts it
+        except TransientEngineError as exc:
+            cause = f"engine-{index}: {exc}"
         finally:
             self.router.release(index, cost, group_id)
+        self.faults["retried_requests"] += 1
+        self.faults["last_transient_error"] = cause
+        await asyncio.sleep(backoff_s(min(self.faults["retried_requests"], 6)))
+        return GenerateOutput(request_id="", output_ids=[], output_logprobs=[],
+                              token_versions=[], finish_reason="abort")
 
     async def run(self) -> None:
-        await self.core.run()
+        """The producer loop, until stopped; raises its fatal error, or one a fault policy
+        reported with `fail` (an engine past its restarts)."""
+        task = asyncio.ensure_future(self.core.run())
+        failed = asyncio.ensure_future(self._failed.wait())
+        await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
+        failed.cancel()
+        if self._failed.is_set() and not task.done():
+            task.cancel()
+            raise RunStopped(self._fail_message)
+        await task
+
+    def fail(self, message: str) -> None:
+        self._fail_message = self._fail_message or message
+        self._failed.set()
+
+    def engine_down(self, index: int) -> None:
+        self.router.set_healthy(index, False)
+
+    def engine_up(self, index: int, handle) -> None:
+        """A replacement holding the current policy version rejoins routing."""
+        self.engines[index] = handle
+        self.router.engines[index] = handle
+        self.router.set_healthy(index, True)
+        self._routable.set()
 
     def set_target(self, groups: float) -> None:
         self.core.set_target(groups)
@@ -112,6 +167,10 @@ class ProducerActor:
     def stop(self) -> None:
         self.core.stop()
 
+    def fault_counts(self) -> dict:
+        return {**self.faults, "failed_groups": self.core.stats.failed_groups,
+                "aborted_groups": self.core.stats.aborted_groups}
+
     def groups_owned(self) -> int:
         return self.core.groups_owned
 
@@ -125,6 +184,8 @@ class ProducerActor:
             sample = Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
                             metadata=dict(p.metadata))
             out = await self._generate(sample, tag, params)
+            while out.finish_reason == "abort":  # an engine failed under it: ask again
+                out = await self._generate(sample, tag, params)
             sample.response_ids = list(out.output_ids)
             return await self._call(self.reward, "reward", "score")(sample)
 
@@ -140,6 +201,7 @@ class ProducerActor:
     def metrics(self) -> dict[str, float]:
         s = self.core.stats
         out = {f"producer/{k}": float(v) for k, v in vars(s).items() if k != "extra"}
+        out["faults/retried_requests"] = float(self.faults["retried_requests"])
         # Dynamic sampling, windowed per report: filtered / (filtered + inserted).
         filtered = s.filtered_groups - self._window["filtered"]
         inserted = s.inserted_groups - self._window["inserted"]

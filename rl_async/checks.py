@@ -50,8 +50,9 @@ def refresh_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         (cfg.sglang.disaggregation_mode == "null",
          f"no prefill/decode disaggregation: sglang.disaggregation_mode = "
          f"{cfg.sglang.disaggregation_mode!r}"),
-        (not cfg.engine.fault_tolerance,
-         "no automatic engine fault tolerance: engine.fault_tolerance = true"),
+        (not cfg.fault_tolerance,
+         "no automatic engine fault tolerance (a restarted engine cannot rebuild retracted "
+         "prefixes): engine.fault_tolerance = true"),
     ]
     return [pre + msg for ok, msg in rules if not ok]
 

@@ -35,6 +35,13 @@ class RunSection(Section):
     checkpoint_every: int = Field(0, ge=0)
     # Complete checkpoints kept per run directory, newest first; 0 keeps all.
     keep_checkpoints: int = Field(3, ge=0)
+    # Stop the run when nothing progresses (no group reaches the buffer, no optimizer step
+    # finishes) for this long; the error carries what every stage holds.
+    stall_timeout_s: PositiveFloat = 900.0
+    # Failure budget: stop when more than this share of the most recent
+    # failure_window_groups groups failed (a few always-failing prompts never stop a run).
+    max_failed_group_fraction: float = Field(0.5, gt=0, le=1)
+    failure_window_groups: PositiveInt = 100
 
 
 class ClusterSection(Section):
@@ -74,8 +81,15 @@ class EngineSection(Section):
     # Embedded engine: token budget over running requests (prompt + generated tokens).
     max_total_tokens: PositiveInt = 8192
     torch_threads: PositiveInt = 1
-    # Automatic engine fault tolerance (restart dead engines); incompatible with refresh.
-    fault_tolerance: bool = False
+    # Restart dead or unresponsive engines. Default: on, except with
+    # refresh.mode = "mixed_policy" (a restarted engine cannot rebuild retracted prefixes).
+    fault_tolerance: bool | None = None
+    # Probe every engine this often; one that is dead, or does not answer (or makes no
+    # decode progress with requests running) within the timeout, leaves routing at once.
+    health_check_interval_s: PositiveFloat = 5.0
+    health_check_timeout_s: PositiveFloat = 30.0
+    # Engine restarts allowed per run; past them the run stops naming the engine and causes.
+    max_restarts: int = Field(3, ge=0)
 
 
 class SGLangSection(Section):
@@ -269,6 +283,12 @@ class RunConfig(Section):
     @property
     def fully_async(self) -> bool:
         return bool(self.async_.fully_async)
+
+    @property
+    def fault_tolerance(self) -> bool:
+        """engine.fault_tolerance, resolved: on unless mixed-policy refresh is asked for."""
+        ft = self.engine.fault_tolerance
+        return self.refresh.mode != "mixed_policy" if ft is None else ft
 
     @property
     def max_weight_staleness(self) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from rl_async.engine.base import EngineError, GenerateOutput
+from rl_async.faults import FailureBudget
 from rl_async.types import Group, Sample
 
 
@@ -85,7 +86,8 @@ class Producer:
                  on_failed: Callable[[Group, str], Awaitable[None]],
                  group_errors: tuple[type[BaseException], ...] = (),
                  filter_group: Callable[[Group], str | None] | None = None,
-                 on_filtered: Callable[[Group, str], Awaitable[None]] | None = None):
+                 on_filtered: Callable[[Group, str], Awaitable[None]] | None = None,
+                 failure_budget: FailureBudget | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -96,6 +98,7 @@ class Producer:
         if (filter_group is None) != (on_filtered is None):
             raise ValueError("Producer: pass both filter_group and on_filtered, or neither")
         self._filter_group, self._on_filtered = filter_group, on_filtered
+        self._budget_of_failures = failure_budget
         self._budget = asyncio.Semaphore(limits.producer_samples)
         self._gen_sem = asyncio.Semaphore(limits.http_slots)
         self._gate = asyncio.Event()        # admission of new groups
@@ -322,6 +325,9 @@ class Producer:
             if og.error is not None:
                 self.stats.failed_groups += 1
                 await self._on_failed(og.group, f"{type(og.error).__name__}: {og.error}")
+                if self._budget_of_failures is not None:  # may stop the run (RunStopped)
+                    self._budget_of_failures.record(True, type(og.error).__name__,
+                                                    str(og.error))
             elif og.aborted:
                 self.stats.aborted_groups += 1
                 await self._on_aborted(og.group)
@@ -332,6 +338,8 @@ class Producer:
                 await self._on_filtered(og.group, reason)
             else:
                 await self._insert(og.group)
+            if og.error is None and not og.aborted and self._budget_of_failures is not None:
+                self._budget_of_failures.record(False)
         finally:
             self._group_done()
 

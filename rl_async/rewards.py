@@ -2,7 +2,7 @@
 
 A reward function takes a `Sample` and returns a float (or an awaitable of one). Loading is
 by `module:function` so a run file can name user code. A function that raises, times out
-or returns a non-number is retried `max_retries` times, then `RewardError` names the
+or returns a non-number is retried `max_retries` times (exponential backoff with jitter), then `RewardError` names the
 function, the prompt and the last cause; the producer marks that group failed with the
 error (it is never dropped silently).
 """
@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import inspect
 import math
+import random
 from typing import Any, Callable
 
 from rl_async.types import Sample
@@ -37,6 +38,13 @@ def load_callable(path: str, key: str = "reward.function") -> Callable[..., Any]
     if not callable(fn):
         raise ValueError(f"{key} = {path!r}: {attr!r} is not callable")
     return fn
+
+
+def backoff_s(attempt: int, base: float = 0.1, cap: float = 5.0) -> float:
+    """Exponential backoff with full jitter before retry `attempt + 1`: a judge service that
+    is down is not hammered in lockstep by every sample (a new call to a Serve handle also
+    goes to another replica when the last one died)."""
+    return random.uniform(0, min(cap, base * 2 ** attempt))
 
 
 class RewardRunner:
@@ -78,6 +86,7 @@ class RewardRunner:
                     last = exc
                 if attempt < self.max_retries:
                     self.retries += 1
+                    await asyncio.sleep(backoff_s(attempt))
         self.failures += 1
         raise RewardError(
             f"reward function {self.name} failed on prompt {sample.prompt_id!r} after "

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -239,6 +240,14 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             return weights_checksum(self.model.named_parameters())
 
     # ---------------------------------------------------------------- load / lifecycle
+    def seconds_without_progress(self) -> float:
+        """How long requests have waited for a decode step (0 when idle or paused): the
+        health probe's sign of a forward that hangs while the actor still answers."""
+        busy = bool(self.scheduler.waiting) or self._batch is not None
+        if self._paused or not busy:
+            return 0.0
+        return time.monotonic() - getattr(self, "_last_progress", time.monotonic())
+
     def load(self) -> EngineLoad:
         running = self._batch.requests if self._batch is not None else []
         return EngineLoad(
@@ -302,6 +311,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             if self._paused or (not self.scheduler.waiting and self._batch is None):
                 self._wake.clear()
                 await self._wake.wait()
+                self._last_progress = time.monotonic()  # idle time is not a stall
                 continue
             async with self._lock:
                 if not self._paused:
@@ -326,6 +336,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 f"({[r.rid for r in involved][:4]}...): {type(exc).__name__}: {exc}"))
             return
         self.stats["steps"] += 1
+        self._last_progress = time.monotonic()
         for request in finished:
             self._finish(request)
 

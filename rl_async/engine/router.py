@@ -39,6 +39,10 @@ class RouterPolicy:
             raise ValueError(f"router.remembered_groups = {self.remembered_groups!r}: >= 1")
 
 
+class NoHealthyEngine(RuntimeError):
+    """Every engine is out of routing; the caller waits for one to come back."""
+
+
 class Router:
     def __init__(self, engines: list, policy: RouterPolicy | None = None):
         if not engines:
@@ -49,6 +53,7 @@ class Router:
         self._requests = [0] * n
         self._tokens = [0] * n
         self._assigned = [0] * n
+        self._healthy = [True] * n  # fault tolerance: unhealthy engines get no new work
         self._affinity_hits = 0
         self._affinity_moves = 0
         # group_id -> [engine index, outstanding score of this group on it]
@@ -58,8 +63,19 @@ class Router:
         return self._tokens[index] + self.policy.request_weight * self._requests[index]
 
     def _least_loaded(self) -> int:
-        return min(range(len(self.engines)),
-                   key=lambda i: (self._score(i), self._assigned[i], i))
+        candidates = [i for i in range(len(self.engines)) if self._healthy[i]]
+        if not candidates:
+            raise NoHealthyEngine("no engine is in routing: every engine is down or being "
+                                  "restarted")
+        return min(candidates, key=lambda i: (self._score(i), self._assigned[i], i))
+
+    def set_healthy(self, index: int, healthy: bool) -> None:
+        """Take an engine out of routing (dead, unresponsive, restarting) or back in."""
+        self._healthy[index] = healthy
+
+    @property
+    def any_healthy(self) -> bool:
+        return any(self._healthy)
 
     def pick(self, group_id: str | None = None, cost: int = 1) -> int:
         """Choose an engine for one request of estimated `cost` tokens and account it."""
@@ -67,7 +83,7 @@ class Router:
             raise ValueError(f"cost = {cost!r}: must be >= 0 (tokens of the request)")
         index = self._least_loaded()
         entry = self._groups.get(group_id) if group_id is not None else None
-        if entry is not None and self.policy.affinity:
+        if entry is not None and self.policy.affinity and self._healthy[entry[0]]:
             home, own = entry
             other_work = self._score(home) - own
             allowed = ((1 + self.policy.max_imbalance) * self._score(index)

@@ -18,7 +18,6 @@ LOADER = {"rl_async/config.py", "rl_async/config_load.py"}
 # Native low-level tables: read only by the loader, which maps them onto [async].
 NATIVE = {"core", "miles"}
 NOT_YET = {
-    "engine.fault_tolerance": "fault tolerance issue (#12)",
     "publication.timeout_s": "GPU paths issue (#15)",
     "sglang.speculative_algorithm": "GPU paths issue (#15): never passed to SGLang yet",
     "sglang.disaggregation_mode": "GPU paths issue (#15): never passed to SGLang yet",
