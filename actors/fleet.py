@@ -22,9 +22,11 @@ from actors.rewards import RewardActor
 from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.publish import BucketProgress, Publisher
 from rl_async.types import Group
 
 PLACEMENT_TIMEOUT_S = 120
+ENGINE_SHUTDOWN_TIMEOUT_S = 60
 
 
 def _placement(bundles: list[dict], what: str, key: str):
@@ -73,9 +75,11 @@ class RayFleet:
         self.trainers = [self._named(TrainerWorker, f"trainer-{r}", cfg, plan, r,
                                      c.trainer_workers, pg=self.pgs[-1], bundle=r,
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
-                                     # two threads: a publication's broadcast can run
-                                     # while the next collection trains (see controller)
-                                     max_concurrency=2)
+                                     # CPU: two threads, so a publication's broadcast can
+                                     # run while the next collection trains. GPU: one, so
+                                     # NCCL collectives of two communicators never run
+                                     # concurrently on one device (publication_overlaps_training)
+                                     max_concurrency=1 if tgpu else 2)
                          for r in range(c.trainer_workers)]
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
@@ -93,7 +97,9 @@ class RayFleet:
         self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
         await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
-        await self.transfer(0)  # engines start from exactly the trainer's weights
+        # Engines start from exactly the trainer's weights; under the publication deadline.
+        await Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                        cfg.publication.timeout_s).transfer(0, self)
 
     async def _init_publication_group(self) -> None:
         addr, port = await self.trainers[0].address.remote()
@@ -102,8 +108,12 @@ class RayFleet:
         tp = self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
         world = 1 + len(self.engines) * tp
         backend = "nccl" if self.cfg.cluster.trainer_gpus else "gloo"
+        # The group's own timeout is the publication deadline too: a hung broadcast then
+        # errors (gloo) or is aborted by NCCL's watchdog at the deadline, not after 30 min.
+        timeout_s = self.cfg.publication.timeout_s
         await asyncio.gather(
-            self.trainers[0].init_publication_group.remote(addr, port, world, backend),
+            self.trainers[0].init_publication_group.remote(addr, port, world, backend,
+                                                           timeout_s),
             *(e.init_weights_update_group.remote(addr, port, 1 + i * tp, world,
                                                  PUBLICATION_GROUP, backend)
               for i, e in enumerate(self.engines)))
@@ -119,8 +129,10 @@ class RayFleet:
 
     async def shutdown(self) -> None:
         if getattr(self, "engines", None):
-            await asyncio.gather(*(e.shutdown.remote() for e in self.engines),
-                                 return_exceptions=True)
+            # Bounded: after a failed publication an engine may be stuck in a broadcast;
+            # ray.kill below ends it either way (SGLang servers die with their process group).
+            await asyncio.wait([asyncio.ensure_future(e.shutdown.remote())
+                                for e in self.engines], timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for pg in self.pgs:
@@ -213,11 +225,13 @@ class RayFleet:
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
 
-    async def send(self, version: int) -> int:
+    async def send(self, version: int, progress: BucketProgress | None = None) -> int:
         """Broadcast the snapshot bucket by bucket; the last bucket carries the version."""
         publisher = self.trainers[0]
         sent = 0
         for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
+            if progress is not None:
+                progress(i, len(self._metas))
             last = i == len(self._metas) - 1
             await asyncio.gather(
                 publisher.broadcast_bucket.remote(i),

@@ -107,9 +107,9 @@ class TrainerWorker:
 
     # ---- publication (rank 0) --------------------------------------------------------------
     def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
-                               backend: str) -> None:
+                               backend: str, timeout_s: float | None = None) -> None:
         collective.init_custom_process_group(backend, f"tcp://{master_addr}:{master_port}",
-                                             world_size, 0, PUBLICATION_GROUP)
+                                             world_size, 0, PUBLICATION_GROUP, timeout_s)
 
     def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
         """Snapshot the weights into buckets; returns each bucket's (names, dtypes, shapes,

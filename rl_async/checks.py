@@ -92,7 +92,20 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     return errors
 
 
+def publication_errors(cfg: RunConfig) -> list[str]:
+    """The publication deadline must leave room for its own drain: up to drain_timeout_s for
+    in-flight requests, then as long again for the aborted ones, then the transfer."""
+    p = cfg.publication
+    if p.timeout_s <= 2 * p.drain_timeout_s:
+        return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
+                f"publication.drain_timeout_s = {2 * p.drain_timeout_s:g} (drain, abort and "
+                f"drain again, then transfer); raise publication.timeout_s or lower "
+                f"publication.drain_timeout_s"]
+    return []
+
+
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
-    errors = errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+    errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+              + publication_errors(cfg))
     return Report(plan=plan, warnings=warnings, errors=errors)

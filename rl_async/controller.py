@@ -65,12 +65,28 @@ class Progress:
     phase: str = "starting"
 
 
+def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
+    """Whether a publication's drain and broadcast may run while the next collection trains.
+
+    Needs policy lag (async, lag >= 1): engines then trail the trainer by one publication.
+    Never with trainers on GPU: trainer rank 0 would broadcast on the publication NCCL
+    communicator from one actor thread while DDP/TP/PP collectives run from another on the
+    same device and default stream; NCCL gives no ordering between two communicators' kernels
+    there, and the two can deadlock each other. The fix would be a dedicated CUDA stream per
+    communicator with explicit event ordering; until that exists and is tested on a GPU, GPU
+    trainers publish between steps. On CPU (gloo), each group has its own connections and
+    the overlap is safe.
+    """
+    return cfg.fully_async and plan.max_weight_staleness >= 1 and not cfg.cluster.trainer_gpus
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
                  log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0):
         self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
         self.version = 0
-        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s)
+        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                                   cfg.publication.timeout_s)
         self.progress = Progress()
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
@@ -78,7 +94,7 @@ class Controller:
         # Set by a graceful stop request: finish the current collection, drain, summarise.
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
-        self._overlap_publication = cfg.fully_async and plan.max_weight_staleness >= 1
+        self._overlap_publication = publication_overlaps_training(cfg, plan)
 
     async def run(self) -> dict[str, Any]:
         self._start = time.monotonic()
@@ -127,10 +143,11 @@ class Controller:
             await self.fleet.checkpoint(p.step, self.version)
 
     async def _publish(self, version: int) -> dict[str, float]:
-        """Publish `version`. When the lag allows it (async, lag >= 1), only the snapshot is
-        awaited: the drain and transfer overlap the next collection's training, and the next
-        publication first waits for this one (one transfer at a time). Engines then lag the
-        trainer by at most one publication, which the staleness filter accounts for."""
+        """Publish `version`. When overlap is allowed (publication_overlaps_training), only the
+        snapshot is awaited: the drain and transfer overlap the next collection's training,
+        and the next publication first waits for this one (one transfer at a time). Engines
+        then lag the trainer by at most one publication, which the staleness filter accounts
+        for."""
         previous = await self._finish_publication()
         snapshotted = asyncio.Event()
         task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
