@@ -41,6 +41,15 @@ def _placement(bundles: list[dict], what: str, key: str):
     return pg
 
 
+def metrics_rank(reporters: list[bool]) -> int:
+    """The one trainer whose metrics the run logs; exactly one must claim it."""
+    claimed = [i for i, r in enumerate(reporters) if r]
+    if len(claimed) != 1:
+        raise RuntimeError(f"trainer ranks {claimed} claim to report metrics; exactly one must "
+                           f"(the last pipeline stage's data-parallel rank 0)")
+    return claimed[0]
+
+
 class RayFleet:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan):
         self.cfg, self.plan = cfg, plan
@@ -95,6 +104,8 @@ class RayFleet:
         addr, port = await self.trainers[0].address.remote()
         await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
         self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
+        reporters = await asyncio.gather(*(t.reports_metrics.remote() for t in self.trainers))
+        self.metrics_rank = metrics_rank(reporters)
         await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
         # Engines start from exactly the trainer's weights; under the publication deadline.
@@ -179,7 +190,9 @@ class RayFleet:
         # One shard per data-parallel rank; tensor/pipeline ranks of a replica share it.
         results = await asyncio.gather(*(t.train.remote(groups[dp::size], version)
                                          for t, (dp, size) in zip(self.trainers, self.dp_ranks)))
-        return results[0]
+        # With pipeline parallelism rank 0 is the FIRST stage, whose log-prob metrics are
+        # zeros: take the last stage's (see TrainerWorker.reports_metrics).
+        return results[self.metrics_rank]
 
     async def evaluate(self) -> float:
         return await self.producer.evaluate.remote(self.eval_prompts)

@@ -78,7 +78,7 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:
         errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} must equal cluster.trainer_workers "
                       f"= {c.trainer_workers} (one trainer process per GPU)")
-    if plan.global_batch_size % c.trainer_workers:
+    if cfg.train.backend == "torch" and plan.global_batch_size % c.trainer_workers:
         errors.append(f"train.global_batch_size = {plan.global_batch_size} must be divisible by "
                       f"cluster.trainer_workers = {c.trainer_workers}")
     if cfg.fully_async and not cfg.train.use_tis:
@@ -89,6 +89,35 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
         errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
                       f"{cfg.judge.max_replicas}")
+    return errors
+
+
+def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """Model parallelism must tile the trainer workers, and every data-parallel rank must get
+    whole groups of each collection (the fleet shards a collection by group: `groups[dp::DP]`;
+    advantages are normalised within a group, so a group cannot be split across ranks)."""
+    t, workers = cfg.train, cfg.cluster.trainer_workers
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    errors: list[str] = []
+    if t.backend != "megatron" and model_parallel > 1:
+        return [f"train.tensor_parallel = {t.tensor_parallel}, train.pipeline_parallel = "
+                f"{t.pipeline_parallel}: model parallelism needs train.backend = 'megatron' "
+                f"(train.backend = {t.backend!r} is data parallel only)"]
+    if workers % model_parallel:
+        return [f"cluster.trainer_workers = {workers} must be a multiple of train.tensor_parallel"
+                f" x train.pipeline_parallel = {t.tensor_parallel} x {t.pipeline_parallel} = "
+                f"{model_parallel}"]
+    dp = workers // model_parallel
+    if plan.rollout_batch_size % dp:
+        errors.append(
+            f"rollout.rollout_batch_size = {plan.rollout_batch_size} groups must be a multiple of "
+            f"the {dp} data-parallel trainer ranks (cluster.trainer_workers = {workers} / "
+            f"(train.tensor_parallel x train.pipeline_parallel = {model_parallel})), so every "
+            f"rank trains on whole groups")
+    if t.backend == "megatron" and plan.global_batch_size % (dp * t.micro_batch_size):
+        errors.append(
+            f"train.global_batch_size = {plan.global_batch_size} must be a multiple of "
+            f"{dp} data-parallel ranks x train.micro_batch_size = {t.micro_batch_size}")
     return errors
 
 
@@ -107,5 +136,5 @@ def publication_errors(cfg: RunConfig) -> list[str]:
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-              + publication_errors(cfg))
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg))
     return Report(plan=plan, warnings=warnings, errors=errors)

@@ -349,3 +349,39 @@ def _param_state(optimizer: Any) -> list[Any]:
 def _load_param_state(optimizer: Any, states: list[Any]) -> None:
     for opt, st in zip(_distributed_parts(optimizer), states):
         opt.load_parameter_state_from_dp_reshardable(st)
+
+
+# ---------------------------------------------------------------------- from a run config
+
+
+def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainerConfig:
+    """The trainer config for `cfg` (a RunConfig): the same `train.*` keys as the torch
+    backend, so both backends train identically on the same batch."""
+    t = cfg.train
+    parallel = mm.MegatronParallelConfig(
+        tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
+        params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
+        seed=cfg.model.init_seed)
+    return MegatronTrainerConfig(
+        parallel=parallel, global_batch_size=global_batch_size,
+        micro_batch_size=t.micro_batch_size, lr=t.lr, weight_decay=t.weight_decay,
+        clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
+        eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
+        use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,
+        advantage_estimator=t.advantage, lr_schedule=t.lr_schedule,
+        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+def hf_weights_from_run(cfg: Any) -> tuple[Any, dict[str, Tensor] | HFCheckpoint]:
+    """(HF config, weights) for `cfg.model`. A checkpoint directory is read lazily, each rank
+    taking only its slices; a config-built random model (tests, demos) is built whole, with
+    the engines' builder and seed, so trainer and engines start identical."""
+    m = cfg.model
+    if m.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(m.path, local_files_only=True), HFCheckpoint(m.path)
+    from rl_async.engine.models import build_causal_lm
+
+    hf = build_causal_lm(m.hf_config, None, m.init_seed, "float32")
+    return hf.config, dict(hf.state_dict())

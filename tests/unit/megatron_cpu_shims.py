@@ -2,7 +2,8 @@
 
 megatron-core 0.16 assumes CUDA in a few places: the RNG tracker (`get_cuda_rng_tracker().
 fork()` around dropout, `model_parallel_cuda_manual_seed`), `torch.cuda.current_device()`
-(rotary frequencies, the global memory buffer, DDP buffers), and in the optimizer: scalar
+(rotary frequencies, the global memory buffer, DDP buffers), `torch.cuda.synchronize()`
+(pipeline send/receive), and in the optimizer: scalar
 tensors created with `device='cuda'` (also in the schedules) and an assertion that gradients are
 `torch.cuda.FloatTensor` in `clip_grad_by_total_norm_fp32`. These shims replace exactly
 those with CPU equivalents (the optimizer, grad-clip and schedule modules see a `torch` whose tensor factories map
@@ -83,6 +84,7 @@ def apply_cpu_shims(setattr_=setattr) -> None:
 
     tracker = CpuRngTracker()
     setattr_(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    setattr_(torch.cuda, "synchronize", lambda *a, **k: None)  # pipeline p2p shape exchange
     setattr_(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
     setattr_(mrandom, "get_cuda_rng_tracker", lambda *a, **k: tracker)
     setattr_(tensor_parallel, "model_parallel_cuda_manual_seed",
