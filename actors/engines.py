@@ -33,6 +33,8 @@ def build_engine(cfg: RunConfig, index: int) -> Engine:
         model_path=cfg.model.path, gpus_per_engine=cfg.cluster.gpus_per_engine,
         host=ray.util.get_node_ip_address(), port=0,
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
+        speculative_algorithm=s.speculative_algorithm,
+        disaggregation_mode=s.disaggregation_mode,
         server_args={"dtype": cfg.model.dtype, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 

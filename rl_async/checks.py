@@ -66,6 +66,15 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         if cfg.model.path is None:
             errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
                           "the SGLang server loads); model.hf_config is for the embedded engine")
+    s = cfg.sglang
+    if cfg.engine.backend != "sglang" and s.speculative_algorithm is not None:
+        errors.append(f"sglang.speculative_algorithm = {s.speculative_algorithm!r} needs "
+                      f"engine.backend = 'sglang' (the embedded engine has no speculative "
+                      f"decoding); remove it")
+    if s.disaggregation_mode != "null":
+        errors.append(f"sglang.disaggregation_mode = {s.disaggregation_mode!r}: prefill/decode "
+                      f"disaggregation needs prefill and decode servers paired through a PD "
+                      f"router, which rl-async does not launch; use 'null'")
     if cfg.engine.backend == "embedded" and c.inference_gpus and c.gpus_per_engine != 1:
         errors.append(f"cluster.gpus_per_engine = {c.gpus_per_engine}: the embedded engine runs "
                       f"on one GPU (no tensor parallelism); use engine.backend = 'sglang'")

@@ -216,3 +216,11 @@ def test_every_data_parallel_rank_gets_whole_groups():
                rollout={"rollout_batch_size": 6, "n_samples_per_prompt": 2})
     assert any("rollout.rollout_batch_size = 6 groups must be a multiple of the 4" in e
                for e in r.errors)
+
+
+def test_sglang_speculative_and_disaggregation_keys():
+    r = report(sglang={"speculative_algorithm": "NGRAM"})
+    assert any("sglang.speculative_algorithm = 'NGRAM' needs engine.backend = 'sglang'" in e
+               for e in r.errors)
+    r = report(sglang={"disaggregation_mode": "prefill"})
+    assert any(e.startswith("sglang.disaggregation_mode = 'prefill': prefill/decode") for e in r.errors)
