@@ -56,7 +56,7 @@ if [ "${#cpu[@]}" -eq 0 ]; then
 fi
 # The checks stop starting new work 60 s before the budget; `timeout` is the hard stop.
 inner=$(( budget > 120 ? budget - 60 : budget / 2 ))
-timeout --kill-after=10 "$budget" "$py" scripts/gpu_checks.py "${cpu[@]}" --out "$out" \
+timeout --kill-after=10 "$budget" "$py" scripts/gpu_checks.py ${cpu[@]+"${cpu[@]}"} --out "$out" \
   --budget-s "$inner"
 rc=$?
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then

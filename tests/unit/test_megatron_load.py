@@ -58,3 +58,18 @@ def test_missing_checkpoint_and_tensor_are_named(tmp_path):
                                1, 0, 128))
         with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
             list(local_tensors(ckpt, [], shape, 3, 0, 1, 0, 128))
+
+
+def test_a_run_with_model_path_loads_lazily_and_a_config_model_whole(tmp_path):
+    from rl_async.config_load import resolve
+    from rl_async.train.megatron_backend import hf_weights_from_run
+
+    hf_config, state = _save(tmp_path, "qwen2", False, True)
+    config, weights = hf_weights_from_run(resolve({"model": {"path": str(tmp_path)}}))
+    assert isinstance(weights, HFCheckpoint) and config.num_hidden_layers == 4
+    assert torch.equal(weights.rows("model.norm.weight"), state["model.norm.weight"])
+    weights.close()
+    tiny = {"model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
+    config, weights = hf_weights_from_run(resolve({"model": {"hf_config": tiny}}))
+    assert isinstance(weights, dict) and "model.embed_tokens.weight" in weights
