@@ -247,3 +247,52 @@ def test_validate_requires_the_deadline_to_cover_the_drain():
                in e for e in errors), errors
     ok, _ = config(publication={"drain_timeout_s": 30.0, "timeout_s": 300.0})
     assert not [e for e in validate(ok).errors if "publication.timeout_s" in e]
+
+
+# ---- the publication group's own timeout (real gloo, two processes) ---------------------
+
+def _hung_peer(rank: int, port: int, timeout_s: float, results, release) -> None:
+    """Rank 0 broadcasts; rank 1 joins the group but never takes part (a hung engine)."""
+    import torch
+    import torch.distributed as dist
+
+    from rl_async.collective import init_custom_process_group
+
+    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "pub",
+                                      timeout_s)
+    if rank == 1:
+        release.get()  # stay alive (and silent) until rank 0 has reported
+        return
+    try:
+        dist.broadcast(torch.zeros(4), group=group, group_src=0)
+        outcome = "returned"
+    except RuntimeError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    results.put(outcome)
+    release.put("done")
+
+
+def test_the_group_timeout_turns_a_hung_broadcast_into_an_error():
+    """publication.timeout_s is also the publication group's collective timeout (actors/
+    fleet.py passes it): a broadcast whose peer never joins fails instead of waiting out the
+    default (30 minutes under NCCL's watchdog)."""
+    import multiprocessing
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results, release = ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_hung_peer, args=(r, port, 1.0, results, release))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        outcome = results.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert outcome != "returned" and "timed out" in outcome.lower(), outcome
