@@ -209,6 +209,10 @@ class RayFleet:
                                      self.reward.metrics.remote(), self.source.counts.remote())
         out = {**parts[0], **parts[1], **parts[2]}
         out.update({f"ledger/{k}": float(v) for k, v in parts[3].items()})
+        # Each engine's own view (SGLang: polled from /v1/loads in the background).
+        for i, load in enumerate(await asyncio.gather(*(e.load.remote() for e in self.engines))):
+            out.update({f"engine/{i}/{k}": float(load[k])
+                        for k in ("running", "waiting", "tokens_in_use")})
         return out
 
     async def ledger(self) -> dict[str, int]:
