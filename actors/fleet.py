@@ -142,8 +142,11 @@ class RayFleet:
         if getattr(self, "engines", None):
             # Bounded: after a failed publication an engine may be stuck in a broadcast;
             # ray.kill below ends it either way (SGLang servers die with their process group).
-            await asyncio.wait([asyncio.ensure_future(e.shutdown.remote())
-                                for e in self.engines], timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
+            done, _ = await asyncio.wait([asyncio.ensure_future(e.shutdown.remote())
+                                          for e in self.engines],
+                                         timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
+            for future in done:  # a failed engine shutdown is moot: the actor is killed next
+                future.exception()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for pg in self.pgs:
