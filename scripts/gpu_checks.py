@@ -11,7 +11,8 @@ short by its time budget still says what passed:
     torch_trainer_bf16_step           a torch-trainer step (bf16 autocast on GPU) gives the same
                                       loss and metrics as the fp32 CPU step, within bf16 error
     megatron_tp1_step_and_round_trip  HF -> megatron -> HF is exact; one TP1 step trains and its
-                                      loss matches the torch trainer's
+                                      loss matches the torch trainer's (on GPU also with bf16
+                                      params and the distributed optimizer)
     publication_buckets               bucket / flatten / unflatten of mixed-dtype tensors on the
                                       device is exact (the publication codec)
 
@@ -190,8 +191,19 @@ def check_megatron(device: str) -> dict:
     moved = sum(not torch.equal(trained[k].cpu(), state[k]) for k in state)
     if moved == 0:
         raise AssertionError("the optimizer step changed no weight")
-    return {"loss": got["train/loss"], "torch_loss": want["train/loss"],
-            "tensors_changed": moved, "tensors": len(state)}
+    details = {"loss": got["train/loss"], "torch_loss": want["train/loss"],
+               "tensors_changed": moved, "tensors": len(state)}
+    if device == "cuda":  # bf16 params (megatron's mixed-precision optimizer): GPU only
+        from rl_async.train.megatron_model import MegatronParallelConfig
+
+        bf16 = MegatronTrainer(hf.config, state, MegatronTrainerConfig(
+            parallel=MegatronParallelConfig(params_dtype="bfloat16"), global_batch_size=8,
+            micro_batch_size=4, lr=1e-3)).train_collection(groups(), 1)
+        if not close(bf16["train/loss"], want["train/loss"], rel=5e-2, abs_=5e-3):
+            raise AssertionError(f"megatron bf16 loss {bf16['train/loss']} vs fp32 torch "
+                                 f"{want['train/loss']}")
+        details["bf16_loss"] = bf16["train/loss"]
+    return details
 
 
 def check_buckets(device: str) -> dict:
