@@ -36,6 +36,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
         # engine i listens on sglang.port_base + i (unique per node whatever the placement)
         host=ray.util.get_node_ip_address(), port=s.port_base + index,
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
+        speculative_algorithm=s.speculative_algorithm,
+        disaggregation_mode=s.disaggregation_mode,
         server_args={"dtype": cfg.model.dtype, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 
@@ -101,7 +103,7 @@ class EngineActor:
         if hasattr(self.engine, "health"):  # SGLang: the server process answers too
             await self.engine.health()
         stalled = getattr(self.engine, "seconds_without_progress", lambda: 0.0)()
-        return {"index": self.index, "seconds_without_progress": stalled}
+        return {"index": self.index, "pid": os.getpid(), "seconds_without_progress": stalled}
 
     def debug_block(self, seconds: float) -> None:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import BufferActor
+from actors.engine_supervisor import EngineSupervisor
 from actors.engines import EngineActor
 from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
@@ -24,9 +26,13 @@ from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async import checkpoints as ckpts
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.publish import BucketProgress, Publisher
 from rl_async.types import Group
 
 PLACEMENT_TIMEOUT_S = 120
+SEND_ATTEMPTS = 3  # a transfer is redone without engines that died during it
+CONTROL_CALL_TIMEOUT_S = 120  # control calls answer in milliseconds; this is a dead man's switch
+ENGINE_SHUTDOWN_TIMEOUT_S = 60
 
 
 def _placement(bundles: list[dict], what: str, key: str):
@@ -50,6 +56,15 @@ class Resume:
     ledger: dict
 
 
+def metrics_rank(reporters: list[bool]) -> int:
+    """The one trainer whose metrics the run logs; exactly one must claim it."""
+    claimed = [i for i, r in enumerate(reporters) if r]
+    if len(claimed) != 1:
+        raise RuntimeError(f"trainer ranks {claimed} claim to report metrics; exactly one must "
+                           f"(the last pipeline stage's data-parallel rank 0)")
+    return claimed[0]
+
+
 class RayFleet:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, run_dir: str | None = None,
                  resume: Resume | None = None):
@@ -61,6 +76,33 @@ class RayFleet:
         self.pgs: list = []
         self.actors: list = []
         self._producer_ref = None
+        # Fault tolerance (actors/engine_supervisor.py): engines out of routing, replacements
+        # waiting for weights, and the publication group's current members.
+        self.down: set[int] = set()
+        self.pending_up: set[int] = set()
+        self.members_lock = asyncio.Lock()
+        self.fault_log: list[dict] = []
+        self._group = (PUBLICATION_GROUP, [])  # (name, engine indices)
+        self._group_generation = 0
+        self.supervisor: EngineSupervisor | None = None
+        self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
+        # The policy version engines hold (a replacement samples from a fresh seed stream).
+        self.version_hint = resume.version if resume else 0
+
+    async def bounded(self, ref, what: str, timeout_s: float = CONTROL_CALL_TIMEOUT_S):
+        """A control call on another actor, with a deadline: a wedged actor surfaces as an
+        error naming the call instead of an endless wait."""
+        try:
+            return await asyncio.wait_for(ref, timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{what} did not answer within {timeout_s:g} s") from None
+
+    def start_engine(self, i: int):
+        """Engine i in its placement-group bundle (at start, and for a replacement)."""
+        c, gpu = self.cfg.cluster, self.cfg.cluster.inference_gpus > 0
+        return self._named(EngineActor, f"engine-{i}", self.cfg, i, self.version_hint,
+                           pg=self.pgs[0], bundle=i, num_cpus=c.engine_cpus,
+                           num_gpus=c.gpus_per_engine if gpu else 0)
 
     def _named(self, cls, name: str, *args, pg=None, bundle=0, **options):
         if pg is not None:
@@ -77,12 +119,7 @@ class RayFleet:
         engine_bundle = {"CPU": c.engine_cpus, **({"GPU": c.gpus_per_engine} if gpu else {})}
         self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
                                    "cluster.inference_gpus / cluster.cpu_engines"))
-        start_version = self.resume.version if self.resume else 0
-        self.engines = [self._named(EngineActor, f"engine-{i}", cfg, i, start_version,
-                                    pg=self.pgs[-1],
-                                    bundle=i, num_cpus=c.engine_cpus,
-                                    num_gpus=c.gpus_per_engine if gpu else 0)
-                        for i in range(plan.engines)]
+        self.engines = [self.start_engine(i) for i in range(plan.engines)]
         tgpu = c.trainer_gpus > 0
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
         self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
@@ -90,9 +127,11 @@ class RayFleet:
         self.trainers = [self._named(TrainerWorker, f"trainer-{r}", cfg, plan, r,
                                      c.trainer_workers, pg=self.pgs[-1], bundle=r,
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
-                                     # two threads: a publication's broadcast can run
-                                     # while the next collection trains (see controller)
-                                     max_concurrency=2)
+                                     # CPU: two threads, so a publication's broadcast can
+                                     # run while the next collection trains. GPU: one, so
+                                     # NCCL collectives of two communicators never run
+                                     # concurrently on one device (publication_overlaps_training)
+                                     max_concurrency=1 if tgpu else 2)
                          for r in range(c.trainer_workers)]
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
@@ -108,6 +147,8 @@ class RayFleet:
         addr, port = await self.trainers[0].address.remote()
         await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
         self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
+        reporters = await asyncio.gather(*(t.reports_metrics.remote() for t in self.trainers))
+        self.metrics_rank = metrics_rank(reporters)
         version = 0
         if self.resume is not None:  # trainer state and ledger, before any generation
             r = self.resume
@@ -117,22 +158,38 @@ class RayFleet:
             version = r.version
         await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
-        # engines start from exactly the trainer's (restored) weights
-        await self.transfer(version)
+        # Engines start from exactly the trainer's (restored) weights; under the publication
+        # deadline.
+        await Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                        cfg.publication.timeout_s).transfer(version, self)
         await self.buffer.set_version.remote(version)
+        if cfg.fault_tolerance:
+            self.supervisor = EngineSupervisor(self)
+            self.supervisor.start()
 
-    async def _init_publication_group(self) -> None:
+    async def _init_publication_group(self, members: list[int] | None = None) -> None:
+        """(Re-)form the weight-publication group: trainer rank 0 and the engines in
+        `members` (all by default). A restarted engine cannot join a formed group, so a
+        change of members forms a new group under a new name (RayFleet.send)."""
+        members = list(range(len(self.engines))) if members is None else members
+        self._group_generation += 1
+        name = f"{PUBLICATION_GROUP}-{self._group_generation}"
         addr, port = await self.trainers[0].address.remote()
         # Every tensor-parallel rank of an engine joins: engine i holds group ranks
         # 1 + i*tp ... (i+1)*tp; the trainer's rank 0 is the source.
         tp = self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
-        world = 1 + len(self.engines) * tp
+        world = 1 + len(members) * tp
         backend = "nccl" if self.cfg.cluster.trainer_gpus else "gloo"
+        # The group's own timeout is the publication deadline too: a hung broadcast then
+        # errors (gloo) or is aborted by NCCL's watchdog at the deadline, not after 30 min.
+        timeout_s = self.cfg.publication.timeout_s
         await asyncio.gather(
-            self.trainers[0].init_publication_group.remote(addr, port, world, backend),
-            *(e.init_weights_update_group.remote(addr, port, 1 + i * tp, world,
-                                                 PUBLICATION_GROUP, backend)
-              for i, e in enumerate(self.engines)))
+            self.trainers[0].init_publication_group.remote(addr, port, world, backend,
+                                                           timeout_s, name),
+            *(self.engines[m].init_weights_update_group.remote(addr, port, 1 + k * tp, world,
+                                                               name, backend)
+              for k, m in enumerate(members)))
+        self._group = (name, members)
 
     async def _start_judge(self) -> None:
         from actors.judges import deploy_judge  # imports Ray Serve only when judging
@@ -144,9 +201,16 @@ class RayFleet:
         await asyncio.to_thread(deploy_judge, dep)
 
     async def shutdown(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if getattr(self, "engines", None):
-            await asyncio.gather(*(e.shutdown.remote() for e in self.engines),
-                                 return_exceptions=True)
+            # Bounded: after a failed publication an engine may be stuck in a broadcast;
+            # ray.kill below ends it either way (SGLang servers die with their process group).
+            done, _ = await asyncio.wait([asyncio.ensure_future(e.shutdown.remote())
+                                          for e in self.engines],
+                                         timeout=ENGINE_SHUTDOWN_TIMEOUT_S)
+            for future in done:  # a failed engine shutdown is moot: the actor is killed next
+                future.exception()
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
         for pg in self.pgs:
@@ -162,38 +226,40 @@ class RayFleet:
         return asyncio.ensure_future(self._producer_ref)
 
     async def producer_set_target(self, groups: float) -> None:
-        await self.producer.set_target.remote(groups)
+        await self.bounded(self.producer.set_target.remote(groups), "producer.set_target")
 
     async def producer_pause_admission(self) -> None:
-        await self.producer.pause_admission.remote()
+        await self.bounded(self.producer.pause_admission.remote(), "producer.pause_admission")
 
     async def producer_resume_admission(self) -> None:
-        await self.producer.resume_admission.remote()
+        await self.bounded(self.producer.resume_admission.remote(), "producer.resume_admission")
 
     async def producer_wait_idle(self, timeout_s: float) -> bool:
         return await self.producer.wait_idle.remote(timeout_s)
 
     async def producer_stop(self) -> None:
-        await self.producer.stop.remote()
+        await self.bounded(self.producer.stop.remote(), "producer.stop")
 
     # ---- buffer and training -----------------------------------------------------------------
     async def get_groups(self, n: int, version: int) -> list[Group]:
         return await self.buffer.get.remote(n, version)
 
     async def buffer_set_version(self, version: int) -> None:
-        await self.buffer.set_version.remote(version)
+        await self.bounded(self.buffer.set_version.remote(version), "completed-buffer.set_version")
 
     async def buffer_reserve(self, n_groups: int) -> None:
-        await self.buffer.reserve.remote(n_groups)
+        await self.bounded(self.buffer.reserve.remote(n_groups), "completed-buffer.reserve")
 
     async def producer_groups_owned(self) -> int:
-        return await self.producer.groups_owned.remote()
+        return await self.bounded(self.producer.groups_owned.remote(), "producer.groups_owned")
 
     async def train(self, groups: list[Group], version: int) -> dict[str, float]:
         # One shard per data-parallel rank; tensor/pipeline ranks of a replica share it.
         results = await asyncio.gather(*(t.train.remote(groups[dp::size], version)
                                          for t, (dp, size) in zip(self.trainers, self.dp_ranks)))
-        return results[0]
+        # With pipeline parallelism rank 0 is the FIRST stage, whose log-prob metrics are
+        # zeros: take the last stage's (see TrainerWorker.reports_metrics).
+        return results[self.metrics_rank]
 
     async def evaluate(self) -> dict[str, float]:
         return await self.producer.evaluate.remote(self.eval_prompts)
@@ -230,30 +296,98 @@ class RayFleet:
             (g.group_id, g.attempt, g.oldest_version()) for g in groups])
 
     async def metrics(self) -> dict[str, float]:
-        parts = await asyncio.gather(self.buffer.metrics.remote(), self.producer.metrics.remote(),
-                                     self.reward.metrics.remote(), self.source.counts.remote())
+        parts = await self.bounded(asyncio.gather(
+            self.buffer.metrics.remote(), self.producer.metrics.remote(),
+            self.reward.metrics.remote(), self.source.counts.remote()), "metrics")
         out = {**parts[0], **parts[1], **parts[2]}
         out.update({f"ledger/{k}": float(v) for k, v in parts[3].items()})
+        # Each engine's own view (SGLang: polled from /v1/loads in the background); an engine
+        # that fails to answer is the supervisor's business, not a reason to stop logging.
+        live = self.live_engines()
+        loads = await asyncio.gather(*(self.engines[i].load.remote() for i in live),
+                                     return_exceptions=True)
+        for i, load in zip(live, loads):
+            if isinstance(load, dict):
+                out.update({f"engine/{i}/{k}": float(load[k])
+                            for k in ("running", "waiting", "tokens_in_use")})
+        out["faults/engine_restarts"] = float(self.supervisor.restarts.restarts
+                                              if self.supervisor else 0)
+        out["faults/engines_down"] = float(len(self.down))
         return out
 
     async def ledger(self) -> dict[str, int]:
-        return await self.source.counts.remote()
+        return await self.bounded(self.source.counts.remote(), "prompt-source.counts")
+
+    async def progress_marker(self) -> int:
+        """Groups the producer has inserted into the buffer so far (stall detection)."""
+        return await self.bounded(self.producer.inserted_groups.remote(),
+                                  "producer.inserted_groups")
+
+    async def faults(self) -> dict:
+        """The summary's `faults`: restarts (with causes), retried requests, failed and
+        aborted groups."""
+        counts = await self.bounded(self.producer.fault_counts.remote(), "producer.fault_counts")
+        restarts = self.supervisor.restarts if self.supervisor else None
+        return {"engine_restarts": restarts.restarts if restarts else 0,
+                "engine_failures": self.fault_log, **counts}
+
+    async def diagnosis(self) -> dict:
+        """What every stage holds right now, for a stall error (each part best effort)."""
+        parts = {"producer": self.producer.metrics.remote(),
+                 "buffer_groups": self.buffer.size.remote(),
+                 "reward": self.reward.metrics.remote(),
+                 **{f"engine-{i}": self.engines[i].load.remote() for i in self.live_engines()}}
+        out: dict = {"engines_down": sorted(self.down), "engines_waiting_for_weights":
+                     sorted(self.pending_up)}
+        for key, ref in parts.items():
+            try:
+                out[key] = await asyncio.wait_for(ref, 10)
+            except Exception as exc:  # noqa: BLE001 -- a diagnosis reports, never raises
+                out[key] = f"unavailable: {type(exc).__name__}: {exc}"
+        return out
 
     # ---- publication (PublicationOps) --------------------------------------------------------
     async def stop_submissions(self) -> None:
-        await self.producer.pause_generation.remote()
+        await self.bounded(self.producer.pause_generation.remote(), "producer.pause_generation")
 
     async def drain(self, timeout_s: float) -> bool:
         return await self.producer.drain_generation.remote(timeout_s)
 
+    def live_engines(self) -> list[int]:
+        """Engines not known to be down (replacements waiting for weights included)."""
+        return [i for i in range(len(self.engines)) if i not in self.down]
+
+    async def lost(self, i: int, cause: str) -> None:
+        """Engine i failed a fleet call: without fault tolerance the run stops; with it,
+        the engine leaves routing and the supervisor replaces it (in its own task: the
+        caller may hold members_lock)."""
+        if self.supervisor is None:
+            raise RuntimeError(f"engine actor {self.prefix}/engine-{i} died: {cause} "
+                               f"(engine.fault_tolerance is off)")
+        if i not in self.down:
+            self.down.add(i)
+            asyncio.ensure_future(self.supervisor.restart(i, cause))
+
+    async def _on_live_engines(self, call) -> None:
+        """`call(engine)` on every live engine; one that turns out dead is `lost`."""
+        live = self.live_engines()
+        results = await asyncio.gather(*(call(self.engines[i]) for i in live),
+                                       return_exceptions=True)
+        for i, r in zip(live, results):
+            if isinstance(r, RayActorError):
+                await self.lost(i, f"the actor died: {r}")
+            elif isinstance(r, BaseException):
+                raise r
+
     async def pause_engines(self, mode: str) -> None:
-        await asyncio.gather(*(e.pause_generation.remote(mode) for e in self.engines))
+        await self._on_live_engines(lambda e: e.pause_generation.remote(mode))
 
     async def continue_engines(self) -> None:
-        await asyncio.gather(*(e.continue_generation.remote() for e in self.engines))
+        await self._on_live_engines(lambda e: e.continue_generation.remote())
 
     async def resume_submissions(self) -> None:
-        await self.producer.resume_generation.remote()
+        await self.bounded(self.producer.resume_generation.remote(),
+                           "producer.resume_generation")
 
     async def snapshot(self) -> None:
         """Trainer rank 0 copies the weights into its publication buckets."""
@@ -263,31 +397,64 @@ class RayFleet:
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
 
-    async def send(self, version: int) -> int:
-        """Broadcast the snapshot bucket by bucket; the last bucket carries the version."""
-        publisher = self.trainers[0]
-        sent = 0
-        for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
-            last = i == len(self._metas) - 1
-            await asyncio.gather(
-                publisher.broadcast_bucket.remote(i),
-                *(e.update_weights_from_distributed.remote(
-                    names, dtypes, shapes, PUBLICATION_GROUP, version if last else None)
-                  for e in self.engines))
-            sent += nbytes
-        if self.cfg.publication.verify_checksum:
-            await self.verify_weights()
+    async def send(self, version: int, progress: BucketProgress | None = None) -> int:
+        """Broadcast the snapshot bucket by bucket; the last bucket carries the version.
+        Engines that are down are left out; replacements join (a new group) and rejoin
+        routing once they hold this version. An engine that dies during the transfer is
+        left out and the transfer is redone over a new group (the snapshot is unchanged)."""
+        async with self.members_lock:
+            self.version_hint = version
+            for _attempt in range(SEND_ATTEMPTS):
+                live = self.live_engines()
+                if live != self._group[1]:
+                    await self._init_publication_group(live)
+                sent, dead = await self._broadcast(version, live, progress)
+                if not dead:
+                    break
+                for i, cause in dead.items():
+                    await self.lost(i, cause)
+            else:
+                raise RuntimeError(f"weight transfer of version {version}: engines kept dying "
+                                   f"during {SEND_ATTEMPTS} attempts")
+            if self.cfg.publication.verify_checksum:
+                await self.verify_weights(live)
+            for i in sorted(self.pending_up & set(live)):
+                await self.producer.engine_up.remote(i, self.engines[i])
+                self.pending_up.discard(i)
         return sent
+
+    async def _broadcast(self, version: int, live: list[int],
+                         progress: BucketProgress | None) -> tuple[int, dict[int, str]]:
+        """One pass over the buckets; returns (bytes sent, {dead engine: cause})."""
+        name, sent = self._group[0], 0
+        for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
+            if progress is not None:
+                progress(i, len(self._metas))
+            last = i == len(self._metas) - 1
+            trainer, *engines = await asyncio.gather(
+                self.trainers[0].broadcast_bucket.remote(i),
+                *(self.engines[m].update_weights_from_distributed.remote(
+                    names, dtypes, shapes, name, version if last else None) for m in live),
+                return_exceptions=True)
+            dead = {m: f"the actor died during the weight transfer: {r}"
+                    for m, r in zip(live, engines) if isinstance(r, RayActorError)}
+            if dead:  # the collective is broken for everyone: redo it without them
+                return sent, dead
+            for r in (trainer, *engines):
+                if isinstance(r, BaseException):
+                    raise r
+            sent += nbytes
+        return sent, {}
 
     async def transfer(self, version: int) -> int:
         """snapshot + send (start-up, and tests that publish by hand)."""
         await self.snapshot()
         return await self.send(version)
 
-    async def verify_weights(self) -> None:
+    async def verify_weights(self, members: list[int]) -> None:
         want = await self.trainers[0].snapshot_checksum.remote()
-        got = await asyncio.gather(*(e.weights_checksum.remote() for e in self.engines))
-        bad = [i for i, g in enumerate(got) if g != want]
+        got = await asyncio.gather(*(self.engines[i].weights_checksum.remote() for i in members))
+        bad = [i for i, g in zip(members, got) if g != want]
         if bad:
             raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "
                                f"publication (checksum mismatch)")

@@ -85,6 +85,8 @@ class ProducerActor:
             try:
                 return self.router.pick(group_id, cost)
             except NoHealthyEngine:
+                if self._failed.is_set():
+                    raise RunStopped(self._fail_message) from None
                 self._routable.clear()
                 await self._routable.wait()
 
@@ -128,6 +130,7 @@ class ProducerActor:
     def fail(self, message: str) -> None:
         self._fail_message = self._fail_message or message
         self._failed.set()
+        self._routable.set()  # wake requests waiting for an engine: they raise now
 
     def engine_down(self, index: int) -> None:
         self.router.set_healthy(index, False)
@@ -167,6 +170,9 @@ class ProducerActor:
     def stop(self) -> None:
         self.core.stop()
 
+    def inserted_groups(self) -> int:
+        return self.core.stats.inserted_groups
+
     def fault_counts(self) -> dict:
         return {**self.faults, "failed_groups": self.core.stats.failed_groups,
                 "aborted_groups": self.core.stats.aborted_groups}
@@ -202,6 +208,7 @@ class ProducerActor:
         s = self.core.stats
         out = {f"producer/{k}": float(v) for k, v in vars(s).items() if k != "extra"}
         out["faults/retried_requests"] = float(self.faults["retried_requests"])
+        out["faults/failed_groups"] = float(s.failed_groups)
         # Dynamic sampling, windowed per report: filtered / (filtered + inserted).
         filtered = s.filtered_groups - self._window["filtered"]
         inserted = s.inserted_groups - self._window["inserted"]

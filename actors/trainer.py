@@ -31,25 +31,19 @@ def free_port() -> int:
 
 
 def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
-    """megatron-core trainer: loads the HF weights (local path or config + seed) on CPU and
-    converts them into a TP/PP-sharded GPTModel; torch.distributed must be initialised."""
-    from rl_async.engine.models import build_causal_lm
-    from rl_async.train import megatron_model as mm
-    from rl_async.train.megatron_backend import MegatronTrainer, MegatronTrainerConfig
+    """megatron-core trainer: each rank loads its TP/PP slices of the HF weights (a local
+    safetensors checkpoint, read lazily; or a config-built random model) into a sharded
+    GPTModel; torch.distributed must be initialised."""
+    from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
+                                                 trainer_config_from_run)
 
-    t = cfg.train
-    hf = build_causal_lm(cfg.model.hf_config, cfg.model.path, cfg.model.init_seed, "float32")
-    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    parallel = mm.MegatronParallelConfig(
-        tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
-        params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
-        seed=cfg.model.init_seed)
-    return MegatronTrainer(hf.config, state, MegatronTrainerConfig(
-        parallel=parallel, global_batch_size=plan.global_batch_size,
-        micro_batch_size=t.micro_batch_size, lr=t.lr, weight_decay=t.weight_decay,
-        clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
-        eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
-        advantage_estimator=t.advantage))
+    hf_config, weights = hf_weights_from_run(cfg)
+    try:
+        return MegatronTrainer(hf_config, weights,
+                               trainer_config_from_run(cfg, plan.global_batch_size))
+    finally:
+        if hasattr(weights, "close"):
+            weights.close()
 
 
 def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
@@ -104,14 +98,25 @@ class TrainerWorker:
                     parallel_state.get_data_parallel_world_size())
         return self.rank, self.world
 
+    def reports_metrics(self) -> bool:
+        """Whether this rank's train metrics are the run's (megatron: last pipeline stage,
+        DP rank 0, TP rank 0, the only one with real log-prob metrics; torch DDP: rank 0)."""
+        if self.cfg.train.backend == "megatron":
+            return self.trainer.reports_metrics
+        return self.rank == 0
+
     def train(self, groups: list[Group], version: int) -> dict[str, float]:
         return self.trainer.train_collection(groups, version)
 
     # ---- publication (rank 0) --------------------------------------------------------------
     def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
-                               backend: str) -> None:
+                               backend: str, timeout_s: float | None = None,
+                               group_name: str = PUBLICATION_GROUP) -> None:
+        """Join (or, after an engine restart, re-form under a new name) the publication
+        group as its source, rank 0."""
         collective.init_custom_process_group(backend, f"tcp://{master_addr}:{master_port}",
-                                             world_size, 0, PUBLICATION_GROUP)
+                                             world_size, 0, group_name, timeout_s)
+        self._pub_group = group_name
 
     def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
         """Snapshot the weights into buckets; returns each bucket's (names, dtypes, shapes,
@@ -149,7 +154,7 @@ class TrainerWorker:
         return metas
 
     def broadcast_bucket(self, index: int) -> None:
-        group = collective.get_group(PUBLICATION_GROUP)
+        group = collective.get_group(getattr(self, "_pub_group", PUBLICATION_GROUP))
         payload = self._buckets[index]
         for tensor in payload if isinstance(payload, list) else [payload]:
             torch.distributed.broadcast(tensor, group=group, group_src=0)

@@ -62,7 +62,8 @@ class PublicationBench:
         try:
             await fleet.start()  # includes the version-0 publication (a warm-up)
             ranks = [fleet.trainers[0], *fleet.engines]
-            publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s)
+            publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                                  cfg.publication.timeout_s)
             pub, transfer, raw, inner = [], [], [], []
             nbytes = 0
             for rep in range(reps):

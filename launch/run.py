@@ -31,13 +31,14 @@ def _init_ray(cfg: RunConfig) -> bool:
     runtime_env = {"env_vars": {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                 "TOKENIZERS_PARALLELISM": "false"}}
     if os.environ.get("RAY_ADDRESS"):
+        # log_to_driver: actor errors and tracebacks reach this output, and `ray job logs`
         ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env,
-                 log_to_driver=False)
+                 log_to_driver=True)
         return False
     c = cfg.cluster
     cpus = max(os.cpu_count() or 2,
                int(c.engine_cpus * max(1, c.cpu_engines) + c.trainer_cpus * c.trainer_workers))
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
              runtime_env=runtime_env, _node_ip_address="127.0.0.1")
     return True
 
@@ -146,6 +147,7 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
 
     old = {s: signal.signal(s, graceful) for s in (signal.SIGTERM, signal.SIGINT)}
     tty = sys.stdout.isatty()
+    last_progress: dict = {}
     last_line, last_print, announced = "", 0.0, False
     try:
         while True:
@@ -158,7 +160,11 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
             ready, _ = ray.wait([run_ref], timeout=POLL_S)
             if ready:
                 break
-            line = _progress_line(ray.get(controller.progress.remote()))
+            try:
+                last_progress = ray.get(controller.progress.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 -- a dead controller: run_ref says why next poll
+                continue
+            line = _progress_line(last_progress)
             if tty:
                 print("\r" + line.ljust(110), end="", flush=True)
             elif line != last_line and time.monotonic() - last_print > 5:
@@ -170,7 +176,13 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
             summary = ray.get(run_ref)
             code = 0
         except Exception as exc:  # the run failed: report the cause, keep the ledger
-            summary = ray.get(controller.failure_summary.remote()) or {}
+            try:
+                summary = ray.get(controller.failure_summary.remote(), timeout=60) or {}
+            except Exception as lost:  # noqa: BLE001 -- the controller itself died
+                summary = {"steps": last_progress.get("step"),
+                           "policy_version": last_progress.get("version"),
+                           "controller": f"unreachable: {type(lost).__name__}",
+                           "last_progress": last_progress}
             summary["error"] = _cause(exc)
             code = 1
             print(f"[rl-async] run failed: {summary['error']}", file=sys.stderr, flush=True)
@@ -184,9 +196,11 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
 
 
 def _cause(exc: BaseException) -> str:
+    """The failing component and its error text, quoted from the start (where the cause is
+    named); a long diagnosis after it is cut, never the quote."""
     cause = getattr(exc, "cause", None) or exc
-    text = f"{type(cause).__name__}: {cause}"
-    return text.strip().splitlines()[-1] if len(text) > 2000 else text
+    text = f"{type(cause).__name__}: {cause}".strip()
+    return text if len(text) <= 4000 else text[:4000] + " ... [cut]"
 
 
 def _write_summary(summary: dict, path: str | None) -> None:

@@ -67,6 +67,15 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         if cfg.model.path is None:
             errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
                           "the SGLang server loads); model.hf_config is for the embedded engine")
+    s = cfg.sglang
+    if cfg.engine.backend != "sglang" and s.speculative_algorithm is not None:
+        errors.append(f"sglang.speculative_algorithm = {s.speculative_algorithm!r} needs "
+                      f"engine.backend = 'sglang' (the embedded engine has no speculative "
+                      f"decoding); remove it")
+    if s.disaggregation_mode != "null":
+        errors.append(f"sglang.disaggregation_mode = {s.disaggregation_mode!r}: prefill/decode "
+                      f"disaggregation needs prefill and decode servers paired through a PD "
+                      f"router, which rl-async does not launch; use 'null'")
     if cfg.engine.backend == "embedded" and c.inference_gpus and c.gpus_per_engine != 1:
         errors.append(f"cluster.gpus_per_engine = {c.gpus_per_engine}: the embedded engine runs "
                       f"on one GPU (no tensor parallelism); use engine.backend = 'sglang'")
@@ -79,7 +88,7 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:
         errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} must equal cluster.trainer_workers "
                       f"= {c.trainer_workers} (one trainer process per GPU)")
-    if plan.global_batch_size % c.trainer_workers:
+    if cfg.train.backend == "torch" and plan.global_batch_size % c.trainer_workers:
         errors.append(f"train.global_batch_size = {plan.global_batch_size} must be divisible by "
                       f"cluster.trainer_workers = {c.trainer_workers}")
     if cfg.fully_async and not cfg.train.use_tis:
@@ -114,7 +123,49 @@ def storage_warnings(cfg: RunConfig) -> list[Warning_]:
     return []
 
 
+def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """Model parallelism must tile the trainer workers, and every data-parallel rank must get
+    whole groups of each collection (the fleet shards a collection by group: `groups[dp::DP]`;
+    advantages are normalised within a group, so a group cannot be split across ranks)."""
+    t, workers = cfg.train, cfg.cluster.trainer_workers
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    errors: list[str] = []
+    if t.backend != "megatron" and model_parallel > 1:
+        return [f"train.tensor_parallel = {t.tensor_parallel}, train.pipeline_parallel = "
+                f"{t.pipeline_parallel}: model parallelism needs train.backend = 'megatron' "
+                f"(train.backend = {t.backend!r} is data parallel only)"]
+    if workers % model_parallel:
+        return [f"cluster.trainer_workers = {workers} must be a multiple of train.tensor_parallel"
+                f" x train.pipeline_parallel = {t.tensor_parallel} x {t.pipeline_parallel} = "
+                f"{model_parallel}"]
+    dp = workers // model_parallel
+    if plan.rollout_batch_size % dp:
+        errors.append(
+            f"rollout.rollout_batch_size = {plan.rollout_batch_size} groups must be a multiple of "
+            f"the {dp} data-parallel trainer ranks (cluster.trainer_workers = {workers} / "
+            f"(train.tensor_parallel x train.pipeline_parallel = {model_parallel})), so every "
+            f"rank trains on whole groups")
+    if t.backend == "megatron" and plan.global_batch_size % (dp * t.micro_batch_size):
+        errors.append(
+            f"train.global_batch_size = {plan.global_batch_size} must be a multiple of "
+            f"{dp} data-parallel ranks x train.micro_batch_size = {t.micro_batch_size}")
+    return errors
+
+
+def publication_errors(cfg: RunConfig) -> list[str]:
+    """The publication deadline must leave room for its own drain: up to drain_timeout_s for
+    in-flight requests, then as long again for the aborted ones, then the transfer."""
+    p = cfg.publication
+    if p.timeout_s <= 2 * p.drain_timeout_s:
+        return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
+                f"publication.drain_timeout_s = {2 * p.drain_timeout_s:g} (drain, abort and "
+                f"drain again, then transfer); raise publication.timeout_s or lower "
+                f"publication.drain_timeout_s"]
+    return []
+
+
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
-    errors = errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+    errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg))
     return Report(plan=plan, warnings=warnings + storage_warnings(cfg), errors=errors)

@@ -184,6 +184,8 @@ class PublicationSection(Section):
     bucket_bytes: PositiveInt = 256 * 1024 * 1024
     # Compare engine weight checksums to the trainer's after each publication (slow).
     verify_checksum: bool = False
+    # Deadline for one whole publication (snapshot to resume), and the publication group's
+    # collective timeout: a hung broadcast fails the run with the stage and bucket named.
     timeout_s: PositiveFloat = 300.0
 
 

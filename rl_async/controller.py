@@ -22,6 +22,7 @@ from typing import Any, Callable, Protocol
 
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.faults import quote
 from rl_async.publish import PublicationOps, Publisher
 from rl_async.types import Group
 
@@ -47,6 +48,9 @@ class Fleet(PublicationOps, Protocol):
     async def record_trained(self, step: int, version: int, groups: list[Group]) -> None: ...
     async def metrics(self) -> dict[str, float]: ...
     async def ledger(self) -> dict[str, int]: ...
+    async def progress_marker(self) -> int: ...
+    async def diagnosis(self) -> dict: ...
+    async def faults(self) -> dict: ...
 
 
 @dataclass
@@ -71,6 +75,21 @@ class Progress:
     phase: str = "starting"
 
 
+def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
+    """Whether a publication's drain and broadcast may run while the next collection trains.
+
+    Needs policy lag (async, lag >= 1): engines then trail the trainer by one publication.
+    Never with trainers on GPU: trainer rank 0 would broadcast on the publication NCCL
+    communicator from one actor thread while DDP/TP/PP collectives run from another on the
+    same device and default stream; NCCL gives no ordering between two communicators' kernels
+    there, and the two can deadlock each other. The fix would be a dedicated CUDA stream per
+    communicator with explicit event ordering; until that exists and is tested on a GPU, GPU
+    trainers publish between steps. On CPU (gloo), each group has its own connections and
+    the overlap is safe.
+    """
+    return cfg.fully_async and plan.max_weight_staleness >= 1 and not cfg.cluster.trainer_gpus
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
                  log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0,
@@ -79,7 +98,8 @@ class Controller:
         checkpoint (run.max_steps is the run's total)."""
         self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
         self.version = start_version
-        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s)
+        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                                   cfg.publication.timeout_s)
         self.progress = Progress(step=start_step, version=start_version)
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
@@ -87,7 +107,7 @@ class Controller:
         # Set by a graceful stop request: finish the current collection, drain, summarise.
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
-        self._overlap_publication = cfg.fully_async and plan.max_weight_staleness >= 1
+        self._overlap_publication = publication_overlaps_training(cfg, plan)
         self.checkpoint_dir: str | None = None
         # a resumed run already holds the checkpoint of its start step
         self._checkpoint_step: int | None = start_step if start_step else None
@@ -141,10 +161,11 @@ class Controller:
             await self._checkpoint()
 
     async def _publish(self, version: int) -> dict[str, float]:
-        """Publish `version`. When the lag allows it (async, lag >= 1), only the snapshot is
-        awaited: the drain and transfer overlap the next collection's training, and the next
-        publication first waits for this one (one transfer at a time). Engines then lag the
-        trainer by at most one publication, which the staleness filter accounts for."""
+        """Publish `version`. When overlap is allowed (publication_overlaps_training), only the
+        snapshot is awaited: the drain and transfer overlap the next collection's training,
+        and the next publication first waits for this one (one transfer at a time). Engines
+        then lag the trainer by at most one publication, which the staleness filter accounts
+        for."""
         previous = await self._finish_publication()
         snapshotted = asyncio.Event()
         task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
@@ -191,7 +212,9 @@ class Controller:
         reward or source actor it depends on) ends the wait with its cause."""
         get = asyncio.ensure_future(self.fleet.get_groups(self.plan.rollout_batch_size,
                                                           self.version))
-        waited = 0.0
+        stall_s = self.cfg.run.stall_timeout_s
+        tick = min(self.watchdog_s, stall_s / 4)
+        marker, since = await self.fleet.progress_marker(), time.monotonic()
         while True:
             pub = self._pub_task
             if pub is not None and pub.done() and pub.exception() is not None:
@@ -199,19 +222,29 @@ class Controller:
                 raise RunFailed(f"weight publication of version {self.version} failed: "
                                 f"{pub.exception()}") from pub.exception()
             watched = {get, self._producer} | ({pub} if pub and not pub.done() else set())
-            done, _ = await asyncio.wait(watched, timeout=self.watchdog_s,
+            done, _ = await asyncio.wait(watched, timeout=tick,
                                          return_when=asyncio.FIRST_COMPLETED)
             if get in done:
                 return get.result()
             if self._producer.done():
                 get.cancel()
                 exc = self._producer.exception() if not self._producer.cancelled() else None
+                cause = getattr(exc, "cause", None) or exc  # a Ray error wraps the real one
                 raise RunFailed(f"the producer stopped while the trainer waited for a "
-                                f"collection: {type(exc).__name__}: {exc}") from exc
+                                f"collection: {type(cause).__name__}: {quote(str(cause))}"
+                                ) from exc
             if done:
                 continue  # the publication finished; keep waiting for the collection
-            waited += self.watchdog_s
-            self.log({"watchdog/no_progress_seconds": waited}, self.progress.step)
+            now, current = time.monotonic(), await self.fleet.progress_marker()
+            if current != marker:
+                marker, since = current, now
+            elif now - since > stall_s:
+                get.cancel()
+                raise RunFailed(
+                    f"stalled: no group reached the buffer and no optimizer step finished for "
+                    f"{now - since:.0f} s (run.stall_timeout_s = {stall_s:g}); what each stage "
+                    f"holds: {await self.fleet.diagnosis()}")
+            self.log({"watchdog/no_progress_seconds": now - since}, self.progress.step)
 
     async def _evaluate_with_drain(self) -> None:
         """Lifecycle drain: open no new group, let owned groups land (in reserved buffer
@@ -235,7 +268,12 @@ class Controller:
     async def _evaluate(self) -> float:
         """Evaluate the engines' current policy; logs eval/* and extends the eval curve."""
         p = self.progress
-        result = await self.fleet.evaluate()
+        try:  # every wait has a deadline: an evaluation that cannot finish is a stall
+            result = await asyncio.wait_for(self.fleet.evaluate(), self.cfg.run.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise RunFailed(f"stalled: the evaluation at step {p.step} did not finish within "
+                            f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
+                            f"each stage holds: {await self.fleet.diagnosis()}") from None
         wall = time.monotonic() - self._start
         p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
         p.eval_first = p.eval_first or dict(result)
@@ -269,6 +307,7 @@ class Controller:
                      **{k: v for k, v in p.eval_last.items() if k != "reward"},
                      "initial": p.eval_first, "curve": p.eval_curve},
             "ledger": await self.fleet.ledger(),
+            "faults": await self.fleet.faults(),
             "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),

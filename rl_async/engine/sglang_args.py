@@ -32,6 +32,8 @@ _MANAGED_ARGS = {
     "max_running_requests": "max_running_requests",
     "weight_version": "initial_weight_version",
     "base_gpu_id": "gpu_ids (the server sees only its own GPUs; base_gpu_id stays 0)",
+    "speculative_algorithm": "speculative_algorithm (sglang.speculative_algorithm)",
+    "disaggregation_mode": "disaggregation_mode (sglang.disaggregation_mode)",
 }
 
 
@@ -55,6 +57,10 @@ class SGLangEngineConfig:
     max_running_requests: int | None = None
     # Policy version the server reports at start (`--weight-version`); the controller starts at 0.
     initial_weight_version: int = 0
+    # `--speculative-algorithm` (e.g. "EAGLE", "NGRAM"; draft-model flags go in server_args).
+    speculative_algorithm: str | None = None
+    # `--disaggregation-mode`: "null" (a normal server), "prefill" or "decode".
+    disaggregation_mode: str = "null"
     # Extra `sglang.launch_server` flags from the run file, e.g. {"dtype": "bfloat16",
     # "disable_radix_cache": True, "cuda_graph_max_bs": 64}. True = bare flag, False/None = omit.
     server_args: dict[str, Any] = field(default_factory=dict)
@@ -76,6 +82,9 @@ class SGLangEngineConfig:
     read_retries: int = 2
     retry_backoff_s: float = 1.0
     shutdown_grace_s: float = 30.0
+    # How often a running engine polls GET /v1/loads for `load()` (0 = never): one request at
+    # a time, each bounded by control_timeout_s, stopped by shutdown().
+    load_poll_interval_s: float = 2.0
     # Server log file; None = a file under the system temp directory.
     log_path: str | None = None
     # Interpreter that runs `-m <launch_module>`; "" = the current one.
@@ -103,6 +112,12 @@ class SGLangEngineConfig:
                      "control_timeout_s", "weight_update_timeout_s", "shutdown_grace_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sglang engine: {name} = {getattr(self, name)!r}: must be > 0")
+        if self.disaggregation_mode not in ("null", "prefill", "decode"):
+            raise ValueError(f"sglang engine: disaggregation_mode = {self.disaggregation_mode!r}: "
+                             f"must be 'null', 'prefill' or 'decode'")
+        if self.load_poll_interval_s < 0:
+            raise ValueError(f"sglang engine: load_poll_interval_s = "
+                             f"{self.load_poll_interval_s!r}: must be >= 0 (0 = no polling)")
         if self.read_retries < 0 or self.flush_timeout_s < 0 or self.retry_backoff_s < 0:
             raise ValueError(
                 "sglang engine: read_retries, flush_timeout_s and retry_backoff_s must be >= 0 "
@@ -146,6 +161,10 @@ def build_server_args(config: SGLangEngineConfig, port: int) -> list[str]:
         argv += ["--mem-fraction-static", str(config.mem_fraction_static)]
     if config.max_running_requests is not None:
         argv += ["--max-running-requests", str(config.max_running_requests)]
+    if config.speculative_algorithm is not None:
+        argv += ["--speculative-algorithm", config.speculative_algorithm]
+    if config.disaggregation_mode != "null":
+        argv += ["--disaggregation-mode", config.disaggregation_mode]
     for key, value in config.server_args.items():
         argv += _extra_arg(key, value)
     return argv

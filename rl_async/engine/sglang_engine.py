@@ -7,11 +7,15 @@ Lifecycle:
           -> poll GET /health_generate until 200 (start-up timeout; a dead process or timeout
              raises EngineError with the tail of the server log)
           -> GET /model_info: the server's weight version
+          -> a background task polls GET /v1/loads every load_poll_interval_s (one request
+             at a time, bounded by control_timeout_s; a failed poll is recorded in
+             `load().extra` and retried at the next tick)
     serve    generate / abort / pause / continue / flush / load
     publish  [pause] -> begin_weight_update -> update_weights_* (buckets) ... the call carrying
              `weight_version` sets the version, flushes the prefix cache and ends the session
              -> continue_generation (closes a session left open first)
-    shutdown() SIGTERM to the process group it started, SIGKILL after the grace period
+    shutdown() stops the load poller, then SIGTERM to the process group it started, SIGKILL
+             after the grace period
 
 SGLang 0.5.23 refuses weight loads outside a begin_weight_update/end_weight_update session;
 this class opens one on the first bucket of a publication, so the controller drives SGLang
@@ -59,6 +63,10 @@ class SGLangEngine(Engine):
         self._update_session_open = False
         self._in_flight: set[str] = set()
         self._load = EngineLoad(max_running_requests=config.max_running_requests or 0)
+        self._poller: asyncio.Task | None = None
+        self._load_polls = 0
+        self._load_poll_errors = 0
+        self._load_error = ""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -70,6 +78,21 @@ class SGLangEngine(Engine):
             self._launch()
         await self._wait_healthy()
         self._weight_version = await self.get_weight_version()
+        if self.config.load_poll_interval_s > 0:
+            self._poller = asyncio.create_task(self._poll_loads())
+
+    async def _poll_loads(self) -> None:
+        """Keep `load()` current while the engine runs. A failed poll is not fatal (the
+        generate path reports a dead server); it is counted and its error kept for `load()`."""
+        while True:
+            try:
+                await self.refresh_load(retries=0)  # the next tick is the retry
+                self._load_polls += 1
+                self._load_error = ""
+            except EngineError as exc:  # _call maps HTTP, connection and timeout errors
+                self._load_poll_errors += 1
+                self._load_error = f"{type(exc).__name__}: {exc}"[:_BODY_LIMIT]
+            await asyncio.sleep(self.config.load_poll_interval_s)
 
     def _launch(self) -> None:
         port = self.config.port or free_port(self.config.host)
@@ -125,6 +148,10 @@ class SGLangEngine(Engine):
 
     async def shutdown(self) -> None:
         """Stop the server this engine launched (never an attached one) and close HTTP."""
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -311,18 +338,22 @@ class SGLangEngine(Engine):
         return self._weight_version
 
     # ------------------------------------------------------------------ load
-    async def refresh_load(self) -> EngineLoad:
+    async def refresh_load(self, retries: int | None = None) -> EngineLoad:
         """Poll GET /v1/loads (summed over DP ranks) and cache it for `load()`."""
         body = await self._call("GET", "/v1/loads", params={"include": "core"},
                                 timeout_s=self.config.control_timeout_s,
-                                timeout_key="control_timeout_s", retries=self.config.read_retries)
+                                timeout_key="control_timeout_s",
+                                retries=self.config.read_retries if retries is None else retries)
         self._load = EngineLoad(**proto.parse_loads(body), weight_version=self._weight_version)
         return self.load()
 
     def load(self) -> EngineLoad:
         """The last polled server load plus this client's open requests (`extra.in_flight`)."""
         self._load.weight_version = self._weight_version
-        self._load.extra = {"in_flight": len(self._in_flight), "url": self.base_url}
+        self._load.extra = {"in_flight": len(self._in_flight), "url": self.base_url,
+                            "load_polls": self._load_polls,
+                            "load_poll_errors": self._load_poll_errors,
+                            "load_error": self._load_error}
         return self._load
 
 

@@ -5,16 +5,23 @@ TP and PP ranks of one DP replica pass the same groups):
 
 ```
 groups -> advantages -> items -> micro-batches
-   -> score every token with the pre-update weights (anchor, forward only)
+   -> score every token with the pre-update weights (anchor, forward only; skipped when
+      use_rollout_logprobs: anchor = behaviour log-probs)
    -> per optimizer step of global_batch_size / DP local samples:
+        lr = torch_trainer.lr_at(step)  (the same schedule as the torch backend)
         forward_backward_func (megatron schedule, PP-aware) -> DDP grad reduce
         -> get_megatron_optimizer step (clip, Adam; distributed optimizer by default)
    -> metrics (reduced over DP; computed on the last pipeline stage)
 ```
 
+Only the last pipeline stage computes log-probs, so only its ranks have real metrics (the
+others return zeros): `reports_metrics` names the one rank (last stage, DP rank 0, TP rank
+0) whose return value the fleet logs.
+
 Same method names as the torch trainer: `train_collection`, `named_tensors_for_publication`,
-`save_checkpoint`, `load_checkpoint`. Needs a GPU for the optimizer path (megatron's DDP
-buffers and RNG tracker are CUDA-only); the model parts run on CPU only under test shims.
+`save_checkpoint`, `load_checkpoint`. Meant for GPUs: megatron-core's RNG tracker,
+optimizer and schedules assume CUDA. The CPU tests run the whole path (non-distributed
+optimizer) under the test-only shims in tests/unit/megatron_cpu_shims.py.
 """
 
 from __future__ import annotations
@@ -34,7 +41,12 @@ from rl_async.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms
 from rl_async.train import megatron_model as mm
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, pack
 from rl_async.train.checkpoint import load_state, save_state
+from rl_async.train.megatron_load import HFCheckpoint
+from rl_async.train.torch_trainer import lr_at
 from rl_async.types import Group
+
+# Sums this backend adds to rl_async.loss.SUM_STATS (the torch backend's names).
+EXTRA_SUMS = ("versioned_tokens", "stale_tokens", "entropy_sum")
 
 
 @dataclass
@@ -54,7 +66,14 @@ class MegatronTrainerConfig:
     eps_clip_high: float = 0.2
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    use_tis: bool = True
+    use_rollout_logprobs: bool = False  # anchor = behaviour log-probs (no trainer scoring)
     advantage_estimator: str = DEFAULT_ESTIMATOR
+    # The torch backend's schedule (torch_trainer.lr_at reads these four names).
+    lr_schedule: str = "constant"
+    total_steps: int = 0
+    min_lr_ratio: float = 0.1
+    compute_entropy: bool = True
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size"):
@@ -62,12 +81,19 @@ class MegatronTrainerConfig:
                 raise ValueError(f"train.{key}={getattr(self, key)} must be >= 1")
         if self.temperature <= 0:
             raise ValueError(f"rollout.temperature={self.temperature} must be > 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"train.lr_schedule = {self.lr_schedule!r}: use 'constant' or 'cosine'")
+        if self.lr_schedule == "cosine" and self.total_steps < 1:
+            raise ValueError("train.lr_schedule = 'cosine' needs total_steps >= 1 (run.max_steps)")
 
 
 class MegatronTrainer:
     """One rank of a megatron-core trainer; torch.distributed must already be initialised."""
 
-    def __init__(self, hf_config: Any, hf_state: dict[str, Tensor], cfg: MegatronTrainerConfig):
+    def __init__(self, hf_config: Any, hf_weights: dict[str, Tensor] | HFCheckpoint,
+                 cfg: MegatronTrainerConfig):
+        """`hf_weights`: a full HF state dict (small / config-built models), or a lazy
+        safetensors checkpoint from which each rank reads only its TP/PP slices."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -81,7 +107,10 @@ class MegatronTrainer:
                 f"data_parallel_size × micro_batch_size = {self.dp_size * cfg.micro_batch_size}"
             )
         module = mm.build_gpt_model(hf_config, pcfg)
-        mm.load_hf_weights(module, hf_state, hf_config, pcfg)
+        if isinstance(hf_weights, HFCheckpoint):
+            mm.load_hf_checkpoint(module, hf_weights, hf_config, pcfg)
+        else:
+            mm.load_hf_weights(module, hf_weights, hf_config, pcfg)
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer
         )
@@ -110,8 +139,20 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ training
 
+    @property
+    def reports_metrics(self) -> bool:
+        """True on the one rank whose metrics are the run's: the last pipeline stage (the
+        only one that computes log-probs), data-parallel rank 0 (metrics are reduced over
+        DP), tensor-parallel rank 0 (TP ranks agree)."""
+        from megatron.core import parallel_state
+
+        return (parallel_state.is_pipeline_last_stage()
+                and parallel_state.get_data_parallel_rank() == 0
+                and parallel_state.get_tensor_model_parallel_rank() == 0)
+
     def train_collection(self, groups: Sequence[Group], policy_version: int) -> dict[str, float]:
-        """Anchor-score, then run optimizer steps over this rank's groups; returns `train/*` metrics."""
+        """Anchor-score, then run optimizer steps over this rank's groups; returns `train/*`
+        metrics (real on the last pipeline stage only: see `reports_metrics`)."""
         items = self._items(groups)
         local_step = self.cfg.global_batch_size // self.dp_size
         if not items or len(items) % local_step:
@@ -120,17 +161,20 @@ class MegatronTrainer:
                 f"global_batch_size / data_parallel_size = {local_step}: size "
                 f"rollout_batch_size × n_samples_per_prompt to whole optimizer steps"
             )
-        self.model.eval()
-        self._score_anchors(items)
+        if self.cfg.use_rollout_logprobs:
+            for it in items:
+                it.anchor_logprobs = list(it.behavior_logprobs)
+        else:
+            self.model.eval()
+            self._score_anchors(items)
         self.model.train()
-        metrics: dict[str, float] = {}
-        for s in range(len(items) // local_step):
-            step_metrics = self._optimizer_step(items[s * local_step:(s + 1) * local_step], policy_version)
-            for k, v in step_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + v
-        n_steps = len(items) // local_step
-        out = {k: v / n_steps for k, v in metrics.items()}
-        out["train/optimizer_steps"] = float(n_steps)
+        per_step = [self._optimizer_step(items[s:s + local_step], policy_version)
+                    for s in range(0, len(items), local_step)]
+        out = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+        out["train/response_tokens"] = sum(m["train/response_tokens"] for m in per_step)
+        out["train/optimizer_steps"] = float(len(per_step))
+        out["train/step"] = float(self.step)
+        out["train/lr"] = per_step[-1]["train/lr"]  # as the torch backend: the latest lr
         self.policy_version = policy_version
         return out
 
@@ -185,6 +229,7 @@ class MegatronTrainer:
     def _optimizer_step(self, items: list[TrainItem], policy_version: int) -> dict[str, float]:
         from megatron.core import parallel_state
 
+        cfg = self.cfg
         batches = self._micro_batches(items)
         tokens = torch.tensor(float(sum(it.response_len for it in items)), device=self.device)
         dp_group = parallel_state.get_data_parallel_group()
@@ -192,17 +237,15 @@ class MegatronTrainer:
         # The schedule divides each micro-batch loss by their count and DDP averages over DP:
         # undo both so the gradient is that of the token mean over the whole step.
         scale = len(batches) * self.dp_size / max(float(tokens), 1.0)
-        sums = {k: 0.0 for k in SUM_STATS}
+        sums = {k: 0.0 for k in (*SUM_STATS, *EXTRA_SUMS)}
         maxes = {k: 0.0 for k in MAX_STATS}
         ratios: list[Tensor] = []
-        stale = [0.0]
 
         def loss_func(batch: PackedBatch, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            anchor = batch.anchor_BT if batch.anchor_BT is not None else batch.behavior_BT
             terms = policy_terms(
-                self._logprobs(batch, output), anchor, batch.behavior_BT, batch.advantages_BT,
-                batch.mask_BT, self.cfg.eps_clip, self.cfg.eps_clip_high, self.cfg.tis_clip,
-                self.cfg.tis_clip_low,
+                self._logprobs(batch, output), batch.anchor_BT, batch.behavior_BT,
+                batch.advantages_BT, batch.mask_BT, cfg.eps_clip, cfg.eps_clip_high,
+                cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis,
             )
             for k, v in terms.sums.items():
                 sums[k] += float(v)
@@ -210,31 +253,45 @@ class MegatronTrainer:
                 maxes[k] = max(maxes[k], float(v))
             ratios.append(terms.ratios_N.cpu())
             known = batch.mask_BT & (batch.versions_BT >= 0)
-            stale[0] += float((known & (batch.versions_BT < policy_version)).sum())
+            sums["versioned_tokens"] += float(known.sum())
+            sums["stale_tokens"] += float((known & (batch.versions_BT < policy_version)).sum())
+            if cfg.compute_entropy:
+                entropy_BT = mm.entropy_from_logits(output, batch.start, cfg.temperature,
+                                                    self.hf_config.vocab_size)
+                sums["entropy_sum"] += float(entropy_BT[batch.mask_BT].double().sum())
             loss = terms.token_loss_BT.sum() * scale
             return loss, {"loss": loss.detach()}
 
+        lr = lr_at(cfg, self.step)  # the torch backend's schedule, a function of the step
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run_schedule(batches, loss_func, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
-        return self._step_metrics(sums, maxes, ratios, stale[0], ok, grad_norm, dp_group)
+        maxes["ratio_p99"] = ratio_quantile(torch.cat(ratios)) if ratios else 0.0
+        out = self._step_metrics(sums, maxes, ok, grad_norm, dp_group)
+        out["train/lr"] = lr
+        return out
 
-    def _step_metrics(self, sums: dict[str, float], maxes: dict[str, float], ratios: list[Tensor],
-                      stale: float, ok: bool, grad_norm: float | None, dp_group: Any) -> dict[str, float]:
-        """Reduce additive stats over DP (sum) and maxima (max); p99 is this rank's."""
-        keys = list(SUM_STATS)
-        packed = torch.tensor([sums[k] for k in keys] + [stale], dtype=torch.float64, device=self.device)
+    def _step_metrics(self, sums: dict[str, float], maxes: dict[str, float], ok: bool,
+                      grad_norm: float | None, dp_group: Any) -> dict[str, float]:
+        """Reduce additive stats over DP (sum) and maxima (max; p99 too, as the torch backend:
+        each rank's p99 of its tokens, max over ranks)."""
+        keys, max_keys = list(sums), list(maxes)
+        packed = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(packed, group=dp_group)
-        mx = torch.tensor([maxes[k] for k in MAX_STATS], dtype=torch.float64, device=self.device)
+        mx = torch.tensor([maxes[k] for k in max_keys], dtype=torch.float64, device=self.device)
         dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=dp_group)
-        red_sums = dict(zip(keys, packed[:-1].tolist()))
-        red_max = dict(zip(MAX_STATS, mx.tolist()))
-        p99 = ratio_quantile(torch.cat(ratios)) if ratios else 0.0
-        out = metrics_from_stats(red_sums, red_max, p99)
-        n = max(red_sums["tokens"], 1.0)
-        out["train/stale_token_fraction"] = float(packed[-1]) / n
+        red = dict(zip(keys, packed.tolist()))
+        red_max = dict(zip(max_keys, mx.tolist()))
+        out = metrics_from_stats(red, red_max, red_max["ratio_p99"])
+        n = max(red["tokens"], 1.0)
+        out["train/entropy"] = red["entropy_sum"] / n
+        out["train/stale_token_fraction"] = (red["stale_tokens"] / red["versioned_tokens"]
+                                             if red["versioned_tokens"] else 0.0)
+        out["train/response_tokens"] = red["tokens"]
         out["train/grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         out["train/update_skipped"] = 0.0 if ok else 1.0
         return out
@@ -292,3 +349,39 @@ def _param_state(optimizer: Any) -> list[Any]:
 def _load_param_state(optimizer: Any, states: list[Any]) -> None:
     for opt, st in zip(_distributed_parts(optimizer), states):
         opt.load_parameter_state_from_dp_reshardable(st)
+
+
+# ---------------------------------------------------------------------- from a run config
+
+
+def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainerConfig:
+    """The trainer config for `cfg` (a RunConfig): the same `train.*` keys as the torch
+    backend, so both backends train identically on the same batch."""
+    t = cfg.train
+    parallel = mm.MegatronParallelConfig(
+        tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
+        params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
+        seed=cfg.model.init_seed)
+    return MegatronTrainerConfig(
+        parallel=parallel, global_batch_size=global_batch_size,
+        micro_batch_size=t.micro_batch_size, lr=t.lr, weight_decay=t.weight_decay,
+        clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
+        eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
+        use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,
+        advantage_estimator=t.advantage, lr_schedule=t.lr_schedule,
+        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)
+
+
+def hf_weights_from_run(cfg: Any) -> tuple[Any, dict[str, Tensor] | HFCheckpoint]:
+    """(HF config, weights) for `cfg.model`. A checkpoint directory is read lazily, each rank
+    taking only its slices; a config-built random model (tests, demos) is built whole, with
+    the engines' builder and seed, so trainer and engines start identical."""
+    m = cfg.model
+    if m.path is not None:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(m.path, local_files_only=True), HFCheckpoint(m.path)
+    from rl_async.engine.models import build_causal_lm
+
+    hf = build_causal_lm(m.hf_config, None, m.init_seed, "float32")
+    return hf.config, dict(hf.state_dict())

@@ -200,6 +200,28 @@ def load_hf_weights(model: Any, hf_state: dict[str, Tensor], hf_config: Any, cfg
             tensor.copy_(local[name])
 
 
+def load_hf_checkpoint(model: Any, ckpt: Any, hf_config: Any, cfg: MegatronParallelConfig) -> None:
+    """Copy this rank's slices of a safetensors checkpoint (megatron_load.HFCheckpoint) into
+    its GPTModel, one tensor at a time: no rank ever holds the full model on the host."""
+    from megatron.core import parallel_state
+
+    from rl_async.train import megatron_load
+
+    shape = model_shape(hf_config, cfg)
+    rows = conv.padded_vocab_size(shape.vocab_size, cfg.tensor_parallel_size, cfg.vocab_divisible_by)
+    params = _tensor_state(model)
+    tensors = megatron_load.local_tensors(
+        ckpt, list(params), shape, cfg.tensor_parallel_size,
+        parallel_state.get_tensor_model_parallel_rank(), cfg.pipeline_parallel_size,
+        parallel_state.get_pipeline_model_parallel_rank(), rows)
+    with torch.no_grad():
+        for name, tensor in tensors:
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: model shape {tuple(params[name].shape)} vs checkpoint "
+                                 f"slice {tuple(tensor.shape)}")
+            params[name].copy_(tensor)
+
+
 def _tensor_state(model: Any) -> dict[str, Tensor]:
     """Parameters and buffers by megatron name, without TE `_extra_state` entries."""
     sd = model.state_dict(keep_vars=True)
@@ -243,6 +265,35 @@ def logprobs_from_logits(logits_BLV: Tensor, targets_BT: Tensor, start: int, tem
         logits.transpose(0, 1).contiguous(), targets_BT.transpose(0, 1).contiguous()
     )
     return -nll_TB.transpose(0, 1)
+
+
+@torch.no_grad()
+def entropy_from_logits(logits_BLV: Tensor, start: int, temperature: float, vocab_size: int) -> Tensor:
+    """Entropy of softmax(logits / T) at positions `start .. L-2`, [B, T] fp32, detached.
+
+    The vocabulary is split over TP ranks, so the max, the partition sum and Σ e·(z − max)
+    are all-reduced over the TP group: H = log Z − Σ e·(z − m) / Z with e = exp(z − m).
+    Padded vocab columns are excluded (as in `logprobs_from_logits`).
+    """
+    from megatron.core import parallel_state
+
+    L = logits_BLV.shape[1]
+    z = logits_BLV[:, start:L - 1].detach().float() / temperature
+    v_local = z.shape[-1]
+    first = parallel_state.get_tensor_model_parallel_rank() * v_local
+    real = torch.arange(first, first + v_local, device=z.device) < vocab_size
+    z = z.masked_fill(~real, float("-inf"))
+    group = parallel_state.get_tensor_model_parallel_group()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    m = z.max(dim=-1).values
+    if tp > 1:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    shifted = (z - m.unsqueeze(-1)).masked_fill(~real, 0.0)
+    e = torch.exp(shifted).masked_fill(~real, 0.0)
+    sums = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
+    if tp > 1:
+        dist.all_reduce(sums, group=group)
+    return torch.log(sums[0]) - sums[1] / sums[0]
 
 
 def export_hf_state(model: Any, hf_config: Any, cfg: MegatronParallelConfig) -> dict[str, Tensor]:

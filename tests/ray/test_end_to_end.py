@@ -4,6 +4,7 @@ import asyncio
 import json
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,10 +61,12 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     curve = summary["eval"]["curve"]
     assert [c[0] for c in curve] == [0, 2, 4]
     assert curve[0][1] < curve[1][1] < curve[2][1] and curve[-1][2] == summary["eval"]["final_reward"]
-    assert summary["export_dir"] == str(tmp_path / "t-async" / "step_000004" / "hf")
-    # Checkpoints at steps 2 and 4 hold the trainer state and the ledger.
-    assert sorted(p.name for p in (tmp_path / "t-async").glob("step_*")) == [
-        "step_000002", "step_000004"]
+    run_dir = tmp_path / "t-async" / Path(summary["run_dir"]).name
+    assert summary["export_dir"] == str(run_dir / "step_000004" / "hf")
+    # Checkpoints at steps 2 and 4 hold the trainer state, the ledger and the export.
+    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000002", "step_000004"]
+    assert (run_dir / "step_000002" / "meta.json").is_file()
+    assert (run_dir / "step_000002" / "hf" / "config.json").is_file()
 
 
 def test_short_sync_run_is_on_policy(ray_cluster, tmp_path):

@@ -148,6 +148,15 @@ class InProcessFleet:
     async def ledger(self):
         return self.book.counts()
 
+    async def progress_marker(self):
+        return self.producer.stats.inserted_groups
+
+    async def diagnosis(self):
+        return {"producer": self.producer.load(), "buffer_groups": len(self.buffer)}
+
+    async def faults(self):
+        return {"failed_groups": self.producer.stats.failed_groups}
+
     # ---- PublicationOps ----------------------------------------------------------------------
     async def snapshot(self):
         await asyncio.sleep(0)
@@ -161,7 +170,7 @@ class InProcessFleet:
     async def pause_engines(self, mode):
         self.engine.abort_all()
 
-    async def send(self, version):
+    async def send(self, version, progress=None):
         await asyncio.sleep(self.rng.uniform(0, 0.002))
         self.engine.version = version
         return 1

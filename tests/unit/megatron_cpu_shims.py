@@ -1,9 +1,15 @@
-"""Test-only shims that let megatron-core's GPTModel run forward/backward on a CPU.
+"""Test-only shims that let megatron-core's GPTModel train on a CPU.
 
-megatron-core 0.16 assumes CUDA in three places the model touches: the RNG tracker
-(`get_cuda_rng_tracker().fork()` around dropout, `model_parallel_cuda_manual_seed`), and
-`torch.cuda.current_device()` (rotary frequencies, the global memory buffer). These shims
-replace exactly those with CPU equivalents for the duration of a test. Never product code.
+megatron-core 0.16 assumes CUDA in a few places: the RNG tracker (`get_cuda_rng_tracker().
+fork()` around dropout, `model_parallel_cuda_manual_seed`), `torch.cuda.current_device()`
+(rotary frequencies, the global memory buffer, DDP buffers), `torch.cuda.synchronize()`
+(pipeline send/receive), and in the optimizer: scalar
+tensors created with `device='cuda'` (also in the schedules) and an assertion that gradients are
+`torch.cuda.FloatTensor` in `clip_grad_by_total_norm_fp32`. These shims replace exactly
+those with CPU equivalents (the optimizer, grad-clip and schedule modules see a `torch` whose tensor factories map
+'cuda' to 'cpu'; the clip is the same arithmetic without the assertion). The distributed
+optimizer stays CUDA-only (it type-checks parameters), so CPU tests use
+`use_distributed_optimizer=False`. Never product code.
 """
 
 from __future__ import annotations
@@ -39,19 +45,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _CpuTorch:
+    """`torch` as megatron's optimizer module sees it: tensor factories map 'cuda' to 'cpu'."""
+
+    _FACTORIES = ("tensor", "zeros", "empty", "ones", "full")
+
+    def __getattr__(self, name: str):
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def factory(*args, **kwargs):
+            if "cuda" in str(kwargs.get("device", "")):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+        return factory
+
+
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """megatron's clip_grad_by_total_norm_fp32 without its CUDA type assertion."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for p in parameters:
+            grad = p.decoupled_grad if use_decoupled_grad else p.grad
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+
+def apply_cpu_shims(setattr_=setattr) -> None:
+    """Install the shims; `setattr_` is monkeypatch.setattr in a fixture (undone after the
+    test) or plain setattr in a spawned worker process (which exits afterwards)."""
+    from megatron.core import tensor_parallel
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as moptimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker = CpuRngTracker()
+    setattr_(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    setattr_(torch.cuda, "synchronize", lambda *a, **k: None)  # pipeline p2p shape exchange
+    setattr_(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
+    setattr_(mrandom, "get_cuda_rng_tracker", lambda *a, **k: tracker)
+    setattr_(tensor_parallel, "model_parallel_cuda_manual_seed",
+             lambda seed, *a, **k: torch.manual_seed(seed))
+    # Scalars made with device='cuda' (utils: the local multi-tensor l2 norm).
+    for module in (moptimizer, clip_grads, schedules, mutils):
+        setattr_(module, "torch", _CpuTorch())
+    setattr_(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu)
+
+
 @pytest.fixture
 def megatron_cpu(monkeypatch):
     """megatron-core parallel state for one gloo process on CPU, with the CUDA shims applied."""
     pytest.importorskip("megatron.core")
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core import parallel_state
 
-    tracker = CpuRngTracker()
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("cpu"))
-    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
-    monkeypatch.setattr(mrandom, "get_cuda_rng_tracker", lambda *a, **k: tracker)
-    monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed",
-                        lambda seed, *a, **k: torch.manual_seed(seed))
+    apply_cpu_shims(monkeypatch.setattr)
     created = not dist.is_initialized()
     if created:
         os.environ["MASTER_ADDR"] = "127.0.0.1"

@@ -175,3 +175,52 @@ def test_trainers_and_engines_on_the_same_kind_of_device():
     r = report(cluster={"trainer_gpus": 1, "trainer_workers": 1})
     assert any("cluster.trainer_gpus = 1" in e and "cluster.inference_gpus = 0" in e
                for e in r.errors)
+
+
+MEGATRON_GPU = dict(cluster={"trainer_gpus": 8, "trainer_workers": 8, "inference_gpus": 8},
+                    engine={"backend": "embedded"})
+
+
+def test_trainer_workers_must_tile_tensor_x_pipeline_parallel():
+    r = report(**MEGATRON_GPU, train={"backend": "megatron", "tensor_parallel": 3,
+                                      "pipeline_parallel": 1})
+    assert ("cluster.trainer_workers = 8 must be a multiple of train.tensor_parallel x "
+            "train.pipeline_parallel = 3 x 1 = 3") in r.errors
+    r = report(**MEGATRON_GPU, train={"backend": "megatron", "tensor_parallel": 2,
+                                      "pipeline_parallel": 2, "global_batch_size": 32,
+                                      "micro_batch_size": 4},
+               rollout={"rollout_batch_size": 8, "n_samples_per_prompt": 4})
+    assert not [e for e in r.errors if "train." in e], r.errors
+    r = report(train={"tensor_parallel": 2})
+    assert any("model parallelism needs train.backend = 'megatron'" in e for e in r.errors)
+
+
+def test_every_data_parallel_rank_gets_whole_groups():
+    # TP2 x PP2 on 8 workers: DP = 2; 3 groups cannot be split evenly.
+    r = report(**MEGATRON_GPU, train={"backend": "megatron", "tensor_parallel": 2,
+                                      "pipeline_parallel": 2, "micro_batch_size": 1},
+               rollout={"rollout_batch_size": 3, "n_samples_per_prompt": 4})
+    assert any(e.startswith("rollout.rollout_batch_size = 3 groups must be a multiple of the 2 "
+                            "data-parallel trainer ranks") for e in r.errors), r.errors
+    r = report(**MEGATRON_GPU, train={"backend": "megatron", "tensor_parallel": 2,
+                                      "micro_batch_size": 4},
+               rollout={"rollout_batch_size": 4, "n_samples_per_prompt": 2})
+    # DP = 4: a step of 8 samples is 2 per rank, fewer than one micro-batch of 4.
+    assert ("train.global_batch_size = 8 must be a multiple of 4 data-parallel ranks x "
+            "train.micro_batch_size = 4") in r.errors
+    # torch DDP: every worker is a data-parallel rank.
+    r = report(cluster={"trainer_workers": 3},
+               rollout={"rollout_batch_size": 6, "n_samples_per_prompt": 2})
+    assert not [e for e in r.errors if "rollout_batch_size" in e]
+    r = report(cluster={"trainer_workers": 4},
+               rollout={"rollout_batch_size": 6, "n_samples_per_prompt": 2})
+    assert any("rollout.rollout_batch_size = 6 groups must be a multiple of the 4" in e
+               for e in r.errors)
+
+
+def test_sglang_speculative_and_disaggregation_keys():
+    r = report(sglang={"speculative_algorithm": "NGRAM"})
+    assert any("sglang.speculative_algorithm = 'NGRAM' needs engine.backend = 'sglang'" in e
+               for e in r.errors)
+    r = report(sglang={"disaggregation_mode": "prefill"})
+    assert any(e.startswith("sglang.disaggregation_mode = 'prefill': prefill/decode") for e in r.errors)

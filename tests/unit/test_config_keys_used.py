@@ -17,11 +17,7 @@ PRODUCT = ("rl_async", "actors", "launch")
 LOADER = {"rl_async/config.py", "rl_async/config_load.py"}
 # Native low-level tables: read only by the loader, which maps them onto [async].
 NATIVE = {"core", "miles"}
-NOT_YET = {
-    "publication.timeout_s": "GPU paths issue (#15)",
-    "sglang.speculative_algorithm": "GPU paths issue (#15): never passed to SGLang yet",
-    "sglang.disaggregation_mode": "GPU paths issue (#15): never passed to SGLang yet",
-}
+NOT_YET: dict[str, str] = {}
 
 
 def leaf_keys(model: type[BaseModel], prefix: str = ""):

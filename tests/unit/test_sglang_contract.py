@@ -31,7 +31,8 @@ def test_installed_version_is_the_pinned_one():
 def test_launch_args_parse_with_sglang_server_args():
     config = SGLangEngineConfig(model_path="/ckpt/tiny", gpus_per_engine=2,
                                 mem_fraction_static=0.6, max_running_requests=32,
-                                initial_weight_version=3,
+                                initial_weight_version=3, speculative_algorithm="NGRAM",
+                                disaggregation_mode="decode",
                                 server_args={"dtype": "bfloat16", "skip_server_warmup": True,
                                              "random_seed": 7})
     parser = argparse.ArgumentParser()
@@ -41,6 +42,7 @@ def test_launch_args_parse_with_sglang_server_args():
     assert (ns.mem_fraction_static, ns.max_running_requests) == (0.6, 32)
     assert ns.weight_version == "3" and ns.dtype == "bfloat16"
     assert ns.skip_server_warmup is True and ns.random_seed == 7
+    assert ns.speculative_algorithm == "NGRAM" and ns.disaggregation_mode == "decode"
 
 
 def _payloads() -> list[tuple[str, dict]]:

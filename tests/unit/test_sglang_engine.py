@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import sys
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -20,6 +22,15 @@ from rl_async.engine.sglang_args import (
     build_launch_env,
 )
 from rl_async.engine.sglang_engine import SGLangEngine
+
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang_0_5_23"
+
+
+def load_fixture(name: str) -> tuple[int, object]:
+    """(status, JSON body or text) of a recorded reply (see FIXTURES/README.md)."""
+    data = json.loads((FIXTURES / f"{name}.json").read_text())
+    return data["status"], data["json"] if "json" in data else data["text"]
 
 
 def _gen_reply(body: dict, logprobs=None, spans=None, finish=None, version="0") -> dict:
@@ -43,19 +54,32 @@ class FakeSGLang:
         self.replies: dict[str, object] = {}
         self.version = "0"
         self.delay_s = 0.0
+        self.in_flight: dict[str, int] = {}       # path -> requests being handled now
+        self.max_in_flight: dict[str, int] = {}   # path -> the most at once
 
     def calls(self, path: str) -> list:
         return [body for _, p, _, body in self.requests if p == path]
 
+    def replay(self, path: str, *fixtures: str) -> None:
+        """Answer `path` with recorded SGLang 0.5.23 replies (FIXTURES/<name>.json), in
+        order; the last one repeats."""
+        self.replies[path] = [(lambda body, f=load_fixture(name): f) for name in fixtures]
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json() if request.can_read_body else None
-        self.requests.append((request.method, request.path, dict(request.query), body))
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
-        reply = self.replies.get(request.path)
-        if isinstance(reply, list):
-            reply = reply.pop(0) if len(reply) > 1 else reply[0]
-        status, out = reply(body) if reply else self.default(request.path, body)
+        path = request.path
+        self.requests.append((request.method, path, dict(request.query), body))
+        self.in_flight[path] = self.in_flight.get(path, 0) + 1
+        self.max_in_flight[path] = max(self.max_in_flight.get(path, 0), self.in_flight[path])
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            reply = self.replies.get(path)
+            if isinstance(reply, list):
+                reply = reply.pop(0) if len(reply) > 1 else reply[0]
+            status, out = reply(body) if reply else self.default(path, body)
+        finally:
+            self.in_flight[path] -= 1
         if isinstance(out, (dict, list)):
             return web.json_response(out, status=status)
         return web.Response(text=out, status=status)
@@ -93,6 +117,7 @@ def run_with_server(test, **config_kw):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
+        config_kw.setdefault("load_poll_interval_s", 0)  # tests that poll ask for it
         config = SGLangEngineConfig(url=f"http://127.0.0.1:{port}", retry_backoff_s=0.0,
                                     health_poll_interval_s=0.01, **config_kw)
         engine = SGLangEngine(config)
@@ -359,7 +384,8 @@ def test_load_sums_dp_ranks():
 def test_launch_command_and_env():
     config = SGLangEngineConfig(model_path="/ckpt", gpu_ids=(2, 3), gpus_per_engine=2,
                                 mem_fraction_static=0.7, max_running_requests=64,
-                                initial_weight_version=4,
+                                initial_weight_version=4, speculative_algorithm="NGRAM",
+                                disaggregation_mode="decode",
                                 server_args={"dtype": "bfloat16", "disable-radix-cache": True,
                                              "enable_metrics": False, "cuda_graph_bs": [1, 2]})
     cmd = build_launch_command(config, 31000)
@@ -367,8 +393,12 @@ def test_launch_command_and_env():
     assert cmd[3:] == ["--model-path", "/ckpt", "--tp-size", "2", "--host", "127.0.0.1",
                        "--port", "31000", "--weight-version", "4",
                        "--mem-fraction-static", "0.7", "--max-running-requests", "64",
+                       "--speculative-algorithm", "NGRAM", "--disaggregation-mode", "decode",
                        "--dtype", "bfloat16", "--disable-radix-cache",
                        "--cuda-graph-bs", "1", "2"]
+    # The defaults add neither flag (SGLang's own defaults: no speculation, "null").
+    plain = build_launch_command(SGLangEngineConfig(model_path="/ckpt"), 31000)
+    assert "--speculative-algorithm" not in plain and "--disaggregation-mode" not in plain
     env = build_launch_env(config, {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == "/bin"
 
@@ -378,6 +408,9 @@ def test_launch_command_and_env():
     ({"model_path": "m", "gpu_ids": (0,), "gpus_per_engine": 2}, "exactly one id per TP rank"),
     ({"model_path": "m", "server_args": {"tp-size": 2}}, "server_args.tp-size"),
     ({"model_path": "m", "startup_timeout_s": 0}, "startup_timeout_s = 0"),
+    ({"model_path": "m", "server_args": {"speculative-algorithm": "EAGLE"}},
+     "use the engine setting `speculative_algorithm"),
+    ({"model_path": "m", "disaggregation_mode": "both"}, "disaggregation_mode = 'both'"),
 ])
 def test_config_errors_name_the_key(kw, needle):
     with pytest.raises(ValueError) as info:

@@ -1,0 +1,99 @@
+"""Chaos on real actors (CPU): an engine SIGKILLed mid-run costs a restart, not the run; past
+the restart budget the run fails fast naming the engine; failing rewards stop the run on
+their own; a hung engine is caught by the health check."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from launch.run import run_training
+from test_end_to_end import assert_ledger_closed, small
+
+pytestmark = pytest.mark.ray
+
+FT = ["engine.health_check_interval_s=1", "engine.health_check_timeout_s=3",
+      "cluster.cpu_engines=2", "cluster.engine_cpus=0.5"]
+
+
+def start(cfg, report):
+    from actors.controller import ControllerActor
+
+    controller = ControllerActor.remote(cfg, report.plan, [])
+    return controller, controller.run.remote()
+
+
+def wait_for_step(controller, step, timeout=180):
+    deadline = time.monotonic() + timeout
+    while ray.get(controller.progress.remote()).get("step", 0) < step:
+        assert time.monotonic() < deadline, f"the run never reached step {step}"
+        time.sleep(0.3)
+
+
+def engine_pid(name, i):
+    return ray.get(ray.get_actor(f"{name}/engine-{i}").health.remote())["pid"]
+
+
+def test_sigkilled_engine_is_restarted_and_the_run_finishes(ray_cluster, tmp_path):
+    name = "t-ft-kill"
+    cfg, report = small("cluster_configs/local.toml", *FT, "run.max_steps=8", name=name)
+    controller, ref = start(cfg, report)
+    wait_for_step(controller, 2)
+    os.kill(engine_pid(name, 0), signal.SIGKILL)  # the OOM killer's way
+    summary = ray.get(ref, timeout=300)
+    assert summary["steps"] == 8
+    assert_ledger_closed(summary)
+    faults = summary["faults"]
+    assert faults["engine_restarts"] == 1, faults
+    assert faults["engine_failures"][0]["engine"] == 0
+    assert "died" in faults["engine_failures"][0]["cause"]
+    ray.kill(controller)
+
+
+def test_engine_deaths_past_the_budget_fail_the_run_within_60s(ray_cluster):
+    name = "t-ft-budget"
+    cfg, report = small("cluster_configs/local.toml", *FT, "engine.max_restarts=0",
+                        "run.max_steps=1000", name=name)
+    controller, ref = start(cfg, report)
+    wait_for_step(controller, 2)
+    os.kill(engine_pid(name, 1), signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError) as exc:
+        ray.get(ref, timeout=60)
+    assert time.monotonic() - killed < 60
+    message = str(exc.value)
+    assert "engine-1" in message and "engine.max_restarts = 0" in message, message[-1500:]
+    partial = ray.get(controller.failure_summary.remote())
+    assert partial["ledger"]["unaccounted"] == 0
+    ray.kill(controller)
+
+
+def test_failing_rewards_stop_the_run_naming_the_cause(ray_cluster, tmp_path):
+    cfg, report = small("cluster_configs/local.toml", "reward.function=chaos_rewards:goes_down",
+                        "run.max_steps=1000", "reward.max_retries=1", name="t-ft-reward")
+    out = tmp_path / "summary.json"
+    started = time.monotonic()
+    assert run_training(cfg, report, str(out)) == 1
+    assert time.monotonic() - started < 120  # stops on its own, quickly
+    summary = json.loads(out.read_text())
+    error = summary["error"]
+    assert "groups failed" in error and "run.max_failed_group_fraction" in error, error
+    assert "judge service unavailable: connection refused (chaos)" in error  # quoted
+    assert summary["ledger"]["failed_groups"] > 50 and summary["ledger"]["unaccounted"] == 0
+
+
+def test_hung_engine_is_caught_by_the_health_check(ray_cluster):
+    name = "t-ft-hang"
+    cfg, report = small("cluster_configs/local.toml", *FT, "run.max_steps=8", name=name)
+    controller, ref = start(cfg, report)
+    wait_for_step(controller, 2)
+    ray.get_actor(f"{name}/engine-0").debug_block.remote(600)  # alive, answers nothing
+    summary = ray.get(ref, timeout=300)
+    assert summary["steps"] == 8
+    assert_ledger_closed(summary)
+    [failure] = summary["faults"]["engine_failures"]
+    assert failure["engine"] == 0 and "no answer to its health probe" in failure["cause"]
+    ray.kill(controller)

@@ -1,0 +1,172 @@
+"""The megatron-core trainer end to end on CPU (gloo, test-only CUDA shims): the same loss and
+metrics as the torch trainer on the same batch (TP1, and TP2 x PP2 in four processes), the
+metrics rank, the lr schedule, and the export path (HF-named tensors gathered over TP/PP).
+
+Marked `megatron` (skipped without megatron-core)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_async.config_load import resolve
+from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
+from rl_async.types import Group, Sample
+from megatron_cpu_shims import megatron_cpu  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.megatron
+torch.set_num_threads(1)
+
+VOCAB = 96
+HF = {"model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48,
+      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+      "max_position_embeddings": 64, "tie_word_embeddings": False}
+# Metrics both backends report; they must agree.
+SHARED = ("train/loss", "train/ppo_clip_fraction", "train/tis_clip_fraction",
+          "train/tis_ess_ratio", "train/ratio_p99", "train/ratio_max", "train/logprob_mismatch",
+          "train/logprob_kl", "train/entropy", "train/stale_token_fraction", "train/grad_norm",
+          "train/lr", "train/response_tokens", "train/optimizer_steps", "train/step")
+
+
+def run_config(**train):
+    return resolve({"model": {"hf_config": HF, "init_seed": 3},
+                    "run": {"max_steps": 4},
+                    "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 4},
+                    "train": {"lr": 1e-2, "lr_schedule": "cosine", "min_lr_ratio": 0.2,
+                              "global_batch_size": 4, "micro_batch_size": 2, **train}})
+
+
+def torch_trainer(cfg) -> TorchTrainer:
+    t = cfg.train
+    return TorchTrainer(TorchTrainerConfig(
+        hf_config=cfg.model.hf_config, seed=cfg.model.init_seed, lr=t.lr,
+        weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_schedule=t.lr_schedule,
+        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio, global_batch_size=4,
+        micro_batch_size=t.micro_batch_size, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
+        tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
+        use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
+        temperature=cfg.rollout.temperature, device="cpu"))
+
+
+def groups(seed: int, version: int) -> list[Group]:
+    """Two groups of four; behaviour log-probs spread so that TIS clips some tokens, and
+    token versions `version` - 1 or `version`, so the stale fraction is neither 0 nor 1."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in range(2):
+        prompt = torch.randint(3, VOCAB, (4 + g,), generator=gen).tolist()
+        samples = []
+        for i in range(4):
+            n = 3 + (i + g) % 4
+            samples.append(Sample(
+                prompt_id=f"p{g}", prompt_ids=prompt,
+                response_ids=torch.randint(3, VOCAB, (n,), generator=gen).tolist(),
+                token_versions=[version - 1 + (i + k) % 2 for k in range(n)],
+                behavior_logprobs=(-3.0 - 3.0 * torch.rand(n, generator=gen)).tolist(),
+                reward=float((i * 7 + g) % 3)))
+        out.append(Group(group_id=f"g{seed}-{g}", samples=samples))
+    return out
+
+
+def assert_same_metrics(got: dict, want: dict) -> None:
+    for key in SHARED:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("train", [{}, {"use_tis": False, "use_rollout_logprobs": True}])
+def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
+    from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
+                                                 trainer_config_from_run)
+
+    cfg = run_config(**train)
+    ref = torch_trainer(cfg)
+    mcfg = trainer_config_from_run(cfg, 4)
+    mcfg.use_distributed_optimizer = False  # CUDA-only in megatron-core
+    hf_config, weights = hf_weights_from_run(cfg)
+    meg = MegatronTrainer(hf_config, weights, mcfg)
+    assert meg.reports_metrics
+    # Two collections of two optimizer steps: the anchor, the lr schedule and the updated
+    # weights all come into play; the cosine lr falls between steps.
+    lrs = []
+    for version, seed in ((1, 11), (2, 12)):
+        want = ref.train_collection(groups(seed, version), version)
+        got = meg.train_collection(groups(seed, version), version)
+        assert_same_metrics(got, want)
+        lrs.append(got["train/lr"])
+        assert 0 < want["train/tis_clip_fraction"] < 1 or not cfg.train.use_tis
+        assert 0 < want["train/stale_token_fraction"] < 1
+    assert lrs[0] > lrs[1] > 0.2 * 1e-2
+    exported = dict(meg.named_tensors_for_publication())
+    for name, p in ref.named_tensors_for_publication():
+        torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
+
+
+# ---- TP2 x PP2 over gloo, four processes ------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, ckpt_dir: str, out_dir: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch.distributed as dist
+
+    from megatron_cpu_shims import apply_cpu_shims
+    from rl_async.train.megatron_backend import MegatronTrainer, trainer_config_from_run
+    from rl_async.train.megatron_load import HFCheckpoint
+    from transformers import AutoConfig
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cfg = run_config(tensor_parallel=2, pipeline_parallel=2)
+    mcfg = trainer_config_from_run(cfg, 4)
+    mcfg.use_distributed_optimizer = False
+    with HFCheckpoint(ckpt_dir) as ckpt:  # each rank reads only its slices
+        trainer = MegatronTrainer(AutoConfig.from_pretrained(ckpt_dir), ckpt, mcfg)
+    result = {"loaded": dict(trainer.named_tensors_for_publication()), "metrics": [],
+              "reports": trainer.reports_metrics}
+    for version, seed in ((1, 11), (2, 12)):
+        result["metrics"].append(trainer.train_collection(groups(seed, version), version))
+    result["trained"] = dict(trainer.named_tensors_for_publication())
+    if rank != 0:  # the export is gathered on every rank; rank 0's is what gets published
+        result.pop("loaded"), result.pop("trained")
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_tp2_pp2_metrics_and_export_match_the_torch_trainer(tmp_path):
+    pytest.importorskip("megatron.core")
+    import torch.multiprocessing as mp
+
+    from rl_async.engine.models import build_causal_lm
+
+    cfg = run_config()
+    hf = build_causal_lm(cfg.model.hf_config, None, cfg.model.init_seed, "float32")
+    hf.save_pretrained(tmp_path / "ckpt", max_shard_size="50KB")  # several shards
+    initial = {k: v.clone() for k, v in hf.state_dict().items()}
+    ref = torch_trainer(cfg)
+    want = [ref.train_collection(groups(seed, version), version) for version, seed in ((1, 11), (2, 12))]
+
+    mp.spawn(_worker, args=(4, _free_port(), str(tmp_path / "ckpt"), str(tmp_path)), nprocs=4)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    # Ranks 0, 1 are the first stage (TP 0, 1); 2, 3 the last. Only rank 2 reports.
+    assert [r["reports"] for r in results] == [False, False, True, False]
+    for got, ref_metrics in zip(results[2]["metrics"], want):
+        assert_same_metrics(got, ref_metrics)
+    # The first stage computes no log-probs: its metrics are zeros (why rank 0 is not used).
+    assert results[0]["metrics"][0]["train/loss"] == 0.0
+    assert results[0]["metrics"][0]["train/entropy"] == 0.0
+    loaded, trained = results[0]["loaded"], results[0]["trained"]
+    assert loaded.keys() == initial.keys()
+    assert all(torch.equal(loaded[k], initial[k]) for k in initial)
+    for name, p in ref.named_tensors_for_publication():
+        torch.testing.assert_close(trained[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
