@@ -1,5 +1,7 @@
 """Ray metrics sink: key figures as `ray.util.metrics` gauges, so they appear in the Ray
-dashboard's metrics view and in Prometheus (names use underscores: Prometheus rules)."""
+dashboard's metrics view and in Prometheus (names use underscores: Prometheus rules; Ray
+adds the prefix `ray_`, so Prometheus and the Grafana dashboard in dashboards/ show
+`ray_rl_async_*`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,21 @@ EXPORTED = {
                                  "delivered response tokens per wall second"),
     "policy/version": ("rl_async_policy_version", "current policy version"),
     "rollout/reward_mean": ("rl_async_reward_mean", "mean reward of the last collection"),
+    "perf/trainer_wait_fraction": ("rl_async_trainer_wait_fraction",
+                                   "share of the run's wall time the trainer waited"),
+    "faults/engine_restarts": ("rl_async_faults_engine_restarts",
+                               "engines restarted so far (engine.max_restarts bounds it)"),
+    "faults/engines_down": ("rl_async_faults_engines_down",
+                            "engines out of routing right now (dead, hung or restarting)"),
+    "faults/retried_requests": ("rl_async_faults_retried_requests",
+                                "requests aborted by a transient engine failure, regenerated"),
+    "faults/failed_groups": ("rl_async_faults_failed_groups",
+                             "groups failed with an error (reward, bad request) so far"),
+    "reward/retries": ("rl_async_faults_reward_retries",
+                       "reward / judge calls retried so far"),
 }
+# Prometheus shows every gauge above with Ray's prefix: `ray_rl_async_...`
+PROMETHEUS_PREFIX = "ray_"
 
 
 class RayMetricsSink:

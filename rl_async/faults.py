@@ -19,12 +19,14 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from rl_async.engine.base import EngineError
+
 
 class RunStopped(RuntimeError):
     """A fault policy stopped the run; the message names the component and quotes its error."""
 
 
-class TransientEngineError(RuntimeError):
+class TransientEngineError(EngineError):
     """The request did not complete for reasons that say nothing about it (a reset
     connection, an HTTP 5xx, a timeout, an engine that died): regenerate it."""
 

@@ -41,6 +41,7 @@ import aiohttp
 from rl_async.engine.base import Engine, EngineError, EngineLoad, GenerateOutput, \
     InvalidRequestError, SamplingParams
 from rl_async.engine import sglang_protocol as proto
+from rl_async.faults import TransientEngineError
 from rl_async.engine.sglang_args import SGLANG_VERSION, SGLangEngineConfig, \
     build_launch_command, build_launch_env, free_port
 
@@ -107,6 +108,7 @@ class SGLangEngine(Engine):
             self._process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=build_launch_env(self.config, dict(os.environ)), start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
 
     async def _wait_healthy(self) -> None:
@@ -218,8 +220,19 @@ class SGLangEngine(Engine):
             if attempt < attempts:
                 await asyncio.sleep(self.config.retry_backoff_s)
                 continue
-            raise EngineError(f"{where}: {failure} (attempt {attempt} of {attempts})") from cause
+            # Connection errors, timeouts and 5xx say nothing about the request: the
+            # producer aborts the sample and its group is regenerated (rl_async.faults).
+            raise TransientEngineError(f"{where}: {failure} (attempt {attempt} of "
+                                       f"{attempts})") from cause
         raise AssertionError("unreachable")
+
+    async def health(self) -> None:
+        """The supervisor's probe: the server process lives and answers /health."""
+        if self._process is not None and self._process.poll() is not None:
+            raise EngineError(f"sglang server {self.base_url} exited with code "
+                              f"{self._process.returncode} (log {self._log_path})")
+        await self._call("GET", "/health", timeout_s=self.config.control_timeout_s,
+                         timeout_key="control_timeout_s")
 
     def _control(self, path: str, payload: Any = None, **kw: Any) -> Any:
         kw.setdefault("timeout_s", self.config.control_timeout_s)
@@ -363,3 +376,13 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         os.killpg(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _die_with_parent() -> None:
+    """In the server process, before exec: the kernel SIGKILLs it when the engine actor's
+    process dies, however it dies (SIGKILL, OOM), so no server outlives its actor holding
+    GPUs. Its scheduler processes follow it (SGLang kills them when their parent goes)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
