@@ -144,7 +144,8 @@ class Controller:
         wait_start = time.monotonic()
         groups = await self._get_collection()
         wait = time.monotonic() - wait_start
-        train_metrics = await self.fleet.train(groups, self.version)
+        train_metrics = await self._bounded(self.fleet.train(groups, self.version),
+                                            f"training the collection at version {self.version}")
         trained_at = self.version
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
@@ -258,11 +259,21 @@ class Controller:
             await self.fleet.producer_resume_admission()
             await self.fleet.buffer_reserve(0)
 
+    async def _bounded(self, coro, what: str):
+        """A step that must finish within run.stall_timeout_s (a wedged trainer surfaces as
+        an error naming what it was doing)."""
+        try:
+            return await asyncio.wait_for(coro, self.cfg.run.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise RunFailed(f"stalled: {what} did not finish within run.stall_timeout_s = "
+                            f"{self.cfg.run.stall_timeout_s:g} s") from None
+
     async def _checkpoint(self) -> None:
         """A checkpoint at this step (once): trainer state, ledger and the HF export."""
         p = self.progress
         if self._checkpoint_step != p.step:
-            self.checkpoint_dir = await self.fleet.checkpoint(p.step, self.version)
+            self.checkpoint_dir = await self._bounded(
+                self.fleet.checkpoint(p.step, self.version), f"the checkpoint of step {p.step}")
             self._checkpoint_step = p.step
 
     async def _evaluate(self) -> float:

@@ -70,7 +70,10 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
 
 
 def test_short_sync_run_is_on_policy(ray_cluster, tmp_path):
-    cfg, report = small("cluster_configs/dev.toml", name="t-sync")
+    # bf16 engines: the trainer keeps fp32 masters, publishes bf16, and the checksum is
+    # compared in the engines' dtype.
+    cfg, report = small("cluster_configs/dev.toml", "model.dtype=bfloat16",
+                        "publication.verify_checksum=true", name="t-sync")
     assert not cfg.fully_async
     code, summary = run(cfg, report, tmp_path)
     assert code == 0, summary
