@@ -15,6 +15,10 @@ from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 
 
 def build_engine(cfg: RunConfig, index: int) -> Engine:
+    if cfg.engine.backend == "synthetic":
+        from rl_async.engine.synthetic import synthetic_engine
+
+        return synthetic_engine(cfg, index)
     if cfg.engine.backend == "embedded":
         from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 

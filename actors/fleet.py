@@ -70,7 +70,10 @@ class RayFleet:
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
         self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
                                    "cluster.trainer_workers / cluster.trainer_gpus"))
-        self.trainers = [self._named(TrainerWorker, f"trainer-{r}", cfg, plan, r,
+        trainer_cls = TrainerWorker
+        if cfg.train.backend == "synthetic":  # dry runs: no torch, no GPUs
+            from actors.synthetic import SyntheticTrainerWorker as trainer_cls
+        self.trainers = [self._named(trainer_cls, f"trainer-{r}", cfg, plan, r,
                                      c.trainer_workers, pg=self.pgs[-1], bundle=r,
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
                                      # two threads: a publication's broadcast can run

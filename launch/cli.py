@@ -92,14 +92,31 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
               help="Write the run summary (steps, eval, ledger, throughput) here at the end.")
-def run(file: str, overrides: tuple[str, ...], summary_json: str | None) -> None:
+@click.option("--dry-run", is_flag=True,
+              help="The file's whole actor system on CPUs with synthetic engines and trainers "
+                   "(no GPUs, no model): see how limits, buffer and staleness behave.")
+def run(file: str, overrides: tuple[str, ...], summary_json: str | None, dry_run: bool) -> None:
     """Run training: a local Ray cluster on 127.0.0.1, or the cluster in RAY_ADDRESS."""
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
+    if dry_run:
+        cfg, report = _dry_run(cfg, overrides)
     from launch.run import run_training  # heavy imports only after the config is valid
 
     sys.exit(run_training(cfg, report, summary_json))
+
+
+def _dry_run(cfg: RunConfig, overrides: tuple[str, ...]) -> tuple[RunConfig, Report]:
+    from rl_async.dry_run import dry_run_config
+
+    cfg, notes = dry_run_config(cfg, overrides)
+    for note in notes:
+        click.echo(f"[rl-async] dry run: {note}")
+    report = validate(cfg)
+    if not report.ok:
+        _fail(report.errors)
+    return cfg, report
 
 
 if __name__ == "__main__":
