@@ -12,6 +12,7 @@ import ray
 
 from rl_async.config import RunConfig
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
+from rl_async.loop_monitor import LoopMonitor
 
 
 def build_engine(cfg: RunConfig, index: int) -> Engine:
@@ -46,9 +47,11 @@ class EngineActor:
     def __init__(self, cfg: RunConfig, index: int):
         self.index = index
         self.engine = build_engine(cfg, index)
+        self.monitor = LoopMonitor()
 
     async def start(self) -> dict:
         """Launch/attach (SGLang) and report where this engine runs."""
+        self.monitor.ensure_started()
         if hasattr(self.engine, "start"):
             await self.engine.start()
         return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
@@ -95,6 +98,10 @@ class EngineActor:
 
     def load(self) -> dict:
         return vars(self.engine.load())
+
+    def metrics(self) -> dict[str, float]:
+        """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
+        return self.monitor.metrics(f"engine/{self.index}")
 
     async def shutdown(self) -> None:
         for name in ("shutdown", "close"):

@@ -22,6 +22,7 @@ from actors.rewards import RewardActor
 from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.loop_monitor import LoopMonitor, aggregate
 from rl_async.types import Group
 
 PLACEMENT_TIMEOUT_S = 120
@@ -46,6 +47,7 @@ class RayFleet:
         self.pgs: list = []
         self.actors: list = []
         self._producer_ref = None
+        self.monitor = LoopMonitor()  # the controller actor's own event loop
 
     def _named(self, cls, name: str, *args, pg=None, bundle=0, **options):
         if pg is not None:
@@ -58,6 +60,7 @@ class RayFleet:
 
     async def start(self) -> None:
         cfg, plan, c = self.cfg, self.plan, self.cfg.cluster
+        self.monitor.ensure_started()
         gpu = c.inference_gpus > 0
         engine_bundle = {"CPU": c.engine_cpus, **({"GPU": c.gpus_per_engine} if gpu else {})}
         self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
@@ -184,9 +187,13 @@ class RayFleet:
 
     async def metrics(self) -> dict[str, float]:
         parts = await asyncio.gather(self.buffer.metrics.remote(), self.producer.metrics.remote(),
-                                     self.reward.metrics.remote(), self.source.counts.remote())
-        out = {**parts[0], **parts[1], **parts[2]}
+                                     self.reward.metrics.remote(), self.source.counts.remote(),
+                                     self.source.busy.remote(),
+                                     *(e.metrics.remote() for e in self.engines))
+        out = {**parts[0], **parts[1], **parts[2], **parts[4]}
         out.update({f"ledger/{k}": float(v) for k, v in parts[3].items()})
+        out.update(aggregate(list(parts[5:]), "engines"))  # mean and max over engines
+        out.update(self.monitor.metrics("controller"))
         return out
 
     async def ledger(self) -> dict[str, int]:

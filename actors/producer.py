@@ -17,6 +17,7 @@ from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
+from rl_async.loop_monitor import LoopMonitor
 from rl_async.producer import Producer, ProducerLimits
 from rl_async.rewards import RewardError
 from rl_async.tasks import stop_token_ids
@@ -42,6 +43,8 @@ class ProducerActor:
         self.cfg, self.source, self.engines, self.reward, self.buffer = (
             cfg, source, engines, reward, buffer)
         self.router = Router(engines)
+        self.monitor = LoopMonitor()
+        self.ray_calls = 0  # actor calls this actor made (orchestration cost per sample)
         self.sampling = sampling_params(cfg)
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
@@ -55,9 +58,9 @@ class ProducerActor:
                 ref_of(g), err),
             group_errors=(EngineError, RewardError))
 
-    @staticmethod
-    def _call(handle, role: str, method: str):
+    def _call(self, handle, role: str, method: str):
         async def call(*args):
+            self.ray_calls += 1
             try:
                 return await getattr(handle, method).remote(*args)
             except RayActorError as exc:
@@ -68,6 +71,7 @@ class ProducerActor:
         params = params or self.sampling
         cost = len(sample.prompt_ids) + params.max_new_tokens
         index = self.router.pick(group_id, cost)
+        self.ray_calls += 1
         try:
             return await self.engines[index].generate.remote(sample.prompt_ids, params)
         except RayActorError as exc:
@@ -76,6 +80,7 @@ class ProducerActor:
             self.router.release(index, cost, group_id)
 
     async def run(self) -> None:
+        self.monitor.ensure_started()
         await self.core.run()
 
     def set_target(self, groups: float) -> None:
@@ -129,4 +134,6 @@ class ProducerActor:
         out.update({f"producer/{k}": float(v) for k, v in self.core.load().items()})
         for load in self.router.loads():
             out[f"engine/{load['engine']}/outstanding_requests"] = load["outstanding_requests"]
+        out.update(self.monitor.metrics("producer"))
+        out["producer/ray_calls"] = float(self.ray_calls)
         return out

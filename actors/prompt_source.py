@@ -11,6 +11,7 @@ import ray
 
 from rl_async.config import RunConfig
 from rl_async.ledger import PromptLedger
+from rl_async.loop_monitor import CpuMeter
 from rl_async.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
 from rl_async.types import Group
 
@@ -27,6 +28,7 @@ class PromptSourceActor:
         tok = load_tokenizer(cfg.model)
         self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok), cfg.run.seed)
         self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok)[: cfg.task.num_eval_prompts]
+        self.meter = CpuMeter()
         n = cfg.rollout.n_samples_per_prompt
         self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),
                                    cfg.async_.max_retries, cfg.async_.unused_samples_handler)
@@ -57,6 +59,9 @@ class PromptSourceActor:
 
     def counts(self) -> dict[str, int]:
         return self.ledger.counts()
+
+    def busy(self) -> dict[str, float]:
+        return self.meter.metrics("prompt_source")
 
     def failures(self) -> list[dict]:
         return self.ledger.failures()

@@ -112,12 +112,18 @@ class Controller:
         wait_start = time.monotonic()
         groups = await self._get_collection()
         wait = time.monotonic() - wait_start
+        train_start = time.monotonic()
         train_metrics = await self.fleet.train(groups, self.version)
+        train_s = time.monotonic() - train_start
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
+        pub_start = time.monotonic()
         pub_metrics = await self._publish(self.version)
+        pub_s = time.monotonic() - pub_start
         metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
         metrics.update(self._collection_metrics(groups, wait))
+        metrics.update(orchestration_metrics(time.monotonic() - wait_start, wait, train_s,
+                                             pub_s, self.plan.optimizer_steps_per_collection))
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
@@ -241,3 +247,16 @@ class Controller:
             "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
         }
+
+
+def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_s: float,
+                          updates: int) -> dict[str, float]:
+    """The controller loop's own time in one collection: everything but waiting for the
+    collection, training and the awaited part of publication (metrics gathering, logging,
+    bookkeeping), per optimizer update. Trainer wait high with this low: generation is the
+    bottleneck; this high: orchestration is."""
+    own = max(0.0, step_s - wait_s - train_s - publish_s)
+    return {"perf/orchestration_seconds_per_step": own / updates,
+            "perf/orchestration_fraction": own / step_s if step_s > 0 else 0.0,
+            "perf/step_seconds": step_s / updates}
+
