@@ -181,8 +181,11 @@ class CompletedBuffer:
         self._advance_version(version, "set_version")
 
     def reserve(self, n_groups: int) -> None:
-        """Add room for `n_groups` completions a producer already owns (lifecycle drains)."""
-        self._reserve += _check_int("reserve(n_groups)", n_groups, 0)
+        """Add room for `n_groups` MORE completions a producer already owns (lifecycle
+        drains). Groups resident above the limit (left by an earlier drain's reserve) do not
+        eat into it: otherwise those owned completions would block forever."""
+        n = _check_int("reserve(n_groups)", n_groups, 0)
+        self._reserve += n + max(0, len(self._groups) - self._limit())
         self._wake_putters()
 
     def release_reserve(self, n_groups: int | None = None) -> int:

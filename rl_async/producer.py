@@ -188,12 +188,14 @@ class Producer:
     async def _open_group(self) -> _OpenGroup | None:
         if not await self._wait_admissible():
             return None
+        # Not idle from the moment the fetch starts: a drain that saw "idle" while this
+        # group was being opened would stop the producer with the group half submitted.
+        self._idle.clear()
         group = await self._next_group()
         if group.size != self.limits.group_size:
             raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
                              f"rollout.n_samples_per_prompt = {self.limits.group_size}")
         self._groups_in_flight += 1
-        self._idle.clear()
         return _OpenGroup(group)
 
     async def _admit_group(self) -> None:
