@@ -60,6 +60,13 @@ class EngineActor:
                        request_id: str | None = None) -> GenerateOutput:
         return await self.engine.generate(input_ids, sampling_params, request_id)
 
+    @ray.method(num_returns="streaming")
+    async def generate_batch(self, requests: list):
+        """Many requests in one call, streamed back as they finish (lists of (index,
+        GenerateOutput | EngineError)): one actor call per batch, not per sample."""
+        async for finished in self.engine.generate_batch(requests):
+            yield finished
+
     async def abort(self, request_id: str | None = None) -> int:
         return await self.engine.abort(request_id)
 

@@ -13,6 +13,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.prompt_source import ref_of
+from rl_async.batching import MicroBatcher
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
@@ -45,12 +46,15 @@ class ProducerActor:
         self.router = Router(engines)
         self.monitor = LoopMonitor()
         self.ray_calls = 0  # actor calls this actor made (orchestration cost per sample)
+        # One batched, streamed call per engine per event-loop tick, one reward call per tick.
+        self.gen_batchers = [MicroBatcher(self._engine_stream(i)) for i in range(len(engines))]
+        self.score_batcher = MicroBatcher(self._score_batch)
         self.sampling = sampling_params(cfg)
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),
             next_group=self._call(source, "prompt source", "next_group"),
-            generate=self._generate, score=self._call(reward, "reward", "score"),
+            generate=self._generate, score=self.score_batcher.submit,
             put=self._call(buffer, "completed buffer", "put"),
             on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
                 ref_of(g), "aborted by publication or shutdown"),
@@ -71,13 +75,30 @@ class ProducerActor:
         params = params or self.sampling
         cost = len(sample.prompt_ids) + params.max_new_tokens
         index = self.router.pick(group_id, cost)
-        self.ray_calls += 1
         try:
-            return await self.engines[index].generate.remote(sample.prompt_ids, params)
-        except RayActorError as exc:
-            raise ActorDied(f"engine actor rl-async-engine-{index} died: {exc}") from None
+            return await self.gen_batchers[index].submit((sample.prompt_ids, params))
         finally:
             self.router.release(index, cost, group_id)
+
+    def _engine_stream(self, index: int):
+        async def send(requests: list):
+            self.ray_calls += 1
+            stream = self.engines[index].generate_batch.remote(requests)
+            try:
+                async for ref in stream:
+                    yield await ref
+            except RayActorError as exc:
+                raise ActorDied(f"engine actor {self.cfg.run.name}/engine-{index} died: "
+                                f"{exc}") from None
+        return send
+
+    async def _score_batch(self, samples: list):
+        self.ray_calls += 1
+        try:
+            scores = await self.reward.score_batch.remote(samples)
+        except RayActorError as exc:
+            raise ActorDied(f"the reward actor died during score_batch: {exc}") from None
+        yield list(enumerate(scores))
 
     async def run(self) -> None:
         self.monitor.ensure_started()
@@ -136,4 +157,8 @@ class ProducerActor:
             out[f"engine/{load['engine']}/outstanding_requests"] = load["outstanding_requests"]
         out.update(self.monitor.metrics("producer"))
         out["producer/ray_calls"] = float(self.ray_calls)
+        out.update(self.score_batcher.metrics("producer/reward"))
+        for b in self.gen_batchers:
+            for k, v in b.metrics("producer/generate").items():
+                out[k] = out.get(k, 0.0) + v
         return out

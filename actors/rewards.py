@@ -6,6 +6,8 @@ by the fleet before this actor), under the judge's own timeout and retries."""
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from rl_async.config import RunConfig
@@ -40,6 +42,15 @@ class RewardActor:
             sample.metadata["response_text"] = self.tokenizer.decode(
                 sample.response_ids, skip_special_tokens=True)
         return await self.runner.score(sample)
+
+    async def score_batch(self, samples: list[Sample]) -> list:
+        """Many samples in one actor call. The reward function's contract is unchanged (one
+        sample in, one float out, sync or async): each sample is scored on its own,
+        concurrently under reward.concurrency, and a sample's RewardError is returned in its
+        place, failing only that sample's group."""
+        self.monitor.ensure_started()
+        return await asyncio.gather(*(self.score(s) for s in samples),
+                                    return_exceptions=True)
 
     def metrics(self) -> dict[str, float]:
         return {**self.runner.metrics(), **self.monitor.metrics("reward")}

@@ -193,3 +193,18 @@ def test_instant_time_scale_serves_many_requests():
         assert all(o.finish_reason in ("stop", "length") for o in outs)
         assert e.stats["finished"] == 500 and e.load().running == 0
     asyncio.run(main())
+
+
+def test_generate_batch_streams_results_and_fails_only_the_bad_request():
+    async def main():
+        e = engine(max_running_requests=8)
+        requests = [([1], PARAMS), ([], PARAMS), ([1, 2], PARAMS)]
+        seen = {}
+        async for finished in e.generate_batch(requests):
+            for index, value in finished:
+                assert index not in seen
+                seen[index] = value
+        assert sorted(seen) == [0, 1, 2]
+        assert isinstance(seen[1], InvalidRequestError)
+        assert seen[0].finish_reason in ("stop", "length") and seen[2].prompt_len == 2
+    asyncio.run(main())
