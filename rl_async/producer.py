@@ -181,6 +181,8 @@ class Producer:
             await self._no_pending_put.wait()
             if self._stopped or self._fatal is not None:
                 return False
+            if not self._gate.is_set():  # paused while waiting for buffer room
+                continue
             if self.stats.inserted_groups + self._groups_in_flight < self._target:
                 return True
             await asyncio.sleep(0.01)

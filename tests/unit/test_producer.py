@@ -214,3 +214,25 @@ def test_malformed_engine_reply_fails_the_group_with_its_cause():
         assert not w.buffer
         assert "malformed" in w.failed[0][1] and "2 tokens, 1 log-probs" in w.failed[0][1]
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_admission_paused_while_waiting_for_buffer_room_opens_no_group(granularity):
+    """A drain pauses admission while the admission loop waits for a full buffer; when room
+    appears, no new group may be opened (a stop would leave it half submitted)."""
+    async def main():
+        w = World(group_size=2, buffer_room=1)
+        p = w.producer(granularity, budget=8)
+        task = await run_for(p, 0.05)  # buffer full, a completed group waits for room
+        assert p.load()["pending_puts"] >= 1
+        p.pause_admission()
+        opened = len(w.opened)
+        w.buffer_room = 100
+        await w.take(100)  # room: every pending put lands
+        await asyncio.wait_for(p.wait_idle(), 1.0)
+        await asyncio.sleep(0.02)
+        assert len(w.opened) == opened and p.load()["groups_in_flight"] == 0
+        p.stop()
+        await w.take(100)
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())
