@@ -45,10 +45,13 @@ class BufferActor:
         if refs:
             await asyncio.gather(*refs)
 
-    async def put(self, group: Group) -> None:
+    async def put(self, group: Group) -> float:
+        """Insert; returns the room left, so the producer need not stop admitting new groups
+        while a put is merely in transit (only while one may be waiting for room)."""
         self.monitor.ensure_started()
         await self.buffer.put(group)
         await self._acked()
+        return self.buffer.room()
 
     async def get(self, n_groups: int, version: int) -> list[Group]:
         groups = await self.buffer.get(n_groups, version)

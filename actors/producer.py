@@ -60,7 +60,8 @@ class ProducerActor:
                 ref_of(g), "aborted by publication or shutdown"),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
-            group_errors=(EngineError, RewardError))
+            group_errors=(EngineError, RewardError),
+            next_groups=self._call(source, "prompt source", "next_groups"))
 
     def _call(self, handle, role: str, method: str):
         async def call(*args):

@@ -39,6 +39,10 @@ class PromptSourceActor:
             raise RuntimeError("the prompt source is exhausted")
         return group
 
+    def next_groups(self, n: int) -> list[Group]:
+        """`n` groups in one call (the producer opens several at once)."""
+        return [self.next_group() for _ in range(n)]
+
     def get_eval_prompts(self):
         return self.eval_prompts
 

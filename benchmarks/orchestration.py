@@ -102,6 +102,14 @@ def steady(out: dict, collection_samples: int) -> dict:
             "trainer_wait_fraction": round(sum(m["train/trainer_wait_seconds"] for _, m in timed)
                                            / (t1 - t0), 3),
             "timed_collections": len(rows) - 1, "busy_fraction": busy, "loop_lag_max_s": lag,
+            # where the samples sit at the end of a collection (means over collections)
+            "pipeline": {k.split("/", 1)[1]: round(mean(k), 1) for k in (
+                "producer/samples_in_flight", "producer/groups_in_flight",
+                "producer/pending_puts", "rollout/fully_async/queue_size")},
+            "generate_batch_mean": round(last.get("producer/generate/batched_items", 0)
+                                         / max(1, last.get("producer/generate/batches", 0)), 2),
+            "reward_batch_mean": round(last.get("producer/reward/batched_items", 0)
+                                       / max(1, last.get("producer/reward/batches", 0)), 2),
             "unaccounted": out["summary"]["ledger"]["unaccounted"]}
 
 

@@ -27,6 +27,8 @@ compacted when dead entries outnumber live ones.
 
 from __future__ import annotations
 
+import math
+
 import heapq
 import itertools
 import time
@@ -175,6 +177,12 @@ class CompletedBuffer:
         self._getters.wake_all()
         if self._overflow == "evict":
             self._evict_to_limit()
+
+    def room(self) -> float:
+        """Groups a put can insert now without waiting (inf under `evict`: puts never wait)."""
+        if self._overflow == "evict":
+            return math.inf
+        return max(0, self._limit() - len(self._groups))
 
     def set_version(self, version: int) -> None:
         """The controller's latest policy version (the threshold of stale eviction)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -75,7 +76,9 @@ class Producer:
                  put: Callable[[Group], Awaitable[None]],
                  on_aborted: Callable[[Group], Awaitable[None]],
                  on_failed: Callable[[Group, str], Awaitable[None]],
-                 group_errors: tuple[type[BaseException], ...] = ()):
+                 group_errors: tuple[type[BaseException], ...] = (),
+                 next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
+                 max_fetch_groups: int = 8):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -83,6 +86,11 @@ class Producer:
         self._next_group, self._generate, self._score, self._put = next_group, generate, score, put
         self._on_aborted, self._on_failed = on_aborted, on_failed
         self._group_errors = group_errors
+        # Opening groups k at a time saves k - 1 round trips to the prompt source; k never
+        # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
+        # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
+        self._next_groups, self._max_fetch = next_groups, max(1, max_fetch_groups)
+        self._ready: deque[_OpenGroup] = deque()
         self._budget = asyncio.Semaphore(limits.producer_samples)
         self._gen_sem = asyncio.Semaphore(limits.http_slots)
         self._gate = asyncio.Event()        # admission of new groups
@@ -91,9 +99,13 @@ class Producer:
         self._gen_gate.set()
         self._gen_idle = asyncio.Event()    # no generation request outstanding
         self._gen_idle.set()
-        self._no_pending_put = asyncio.Event()
+        self._no_pending_put = asyncio.Event()  # no put may be waiting for buffer room
         self._no_pending_put.set()
         self._pending_puts = 0
+        # Buffer room the last finished put reported (a `put` that returns None reports
+        # nothing: 0, every pending put may be waiting). Pending puts beyond it may be
+        # waiting for room, and then no new group is opened (SPEC §4).
+        self._known_room: float = 0
         self._open: _OpenGroup | None = None
         self._groups_in_flight = 0
         self._samples_in_flight = 0
@@ -188,17 +200,30 @@ class Producer:
             await asyncio.sleep(0.01)
 
     async def _open_group(self) -> _OpenGroup | None:
+        if self._ready:  # fetched earlier, already owned: runs even while admission pauses
+            return self._ready.popleft()
         if not await self._wait_admissible():
             return None
         # Not idle from the moment the fetch starts: a drain that saw "idle" while this
         # group was being opened would stop the producer with the group half submitted.
         self._idle.clear()
-        group = await self._next_group()
-        if group.size != self.limits.group_size:
-            raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
-                             f"rollout.n_samples_per_prompt = {self.limits.group_size}")
-        self._groups_in_flight += 1
-        return _OpenGroup(group)
+        k = self._fetch_count()
+        groups = await self._next_groups(k) if k > 1 else [await self._next_group()]
+        for group in groups:
+            if group.size != self.limits.group_size:
+                raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
+                                 f"rollout.n_samples_per_prompt = {self.limits.group_size}")
+        self._groups_in_flight += len(groups)
+        self._ready.extend(_OpenGroup(g) for g in groups[1:])
+        return _OpenGroup(groups[0])
+
+    def _fetch_count(self) -> int:
+        """Groups to open now: this one plus whole groups of free budget, within the target."""
+        if self._next_groups is None:
+            return 1
+        free = self._budget._value // self.limits.group_size  # CPython asyncio: free permits
+        room = self._target - self.stats.inserted_groups - self._groups_in_flight
+        return int(max(1, min(self._max_fetch, 1 + free, room)))
 
     async def _admit_group(self) -> None:
         for _ in range(self.limits.group_size):
@@ -317,13 +342,19 @@ class Producer:
 
     async def _insert(self, group: Group) -> None:
         self._pending_puts += 1
-        self._no_pending_put.clear()
+        self._update_put_gate()
         start = time.monotonic()
         try:
-            await self._put(group)
+            room = await self._put(group)
+            self._known_room = room if isinstance(room, (int, float)) else 0
             self.stats.inserted_groups += 1
         finally:
             self.stats.put_wait_seconds += time.monotonic() - start
             self._pending_puts -= 1
-            if self._pending_puts == 0:
-                self._no_pending_put.set()
+            self._update_put_gate()
+
+    def _update_put_gate(self) -> None:
+        if self._pending_puts <= self._known_room:  # every pending put fits: none waits
+            self._no_pending_put.set()
+        else:
+            self._no_pending_put.clear()

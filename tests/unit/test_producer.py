@@ -236,3 +236,58 @@ def test_admission_paused_while_waiting_for_buffer_room_opens_no_group(granulari
         await w.take(100)
         await asyncio.wait_for(task, 1.0)
     asyncio.run(main())
+
+
+def test_admission_goes_on_while_puts_are_in_transit_and_stops_when_one_may_wait():
+    """Puts that have not reported stop admission (one may wait for room); once puts report
+    room left, admission goes on while later puts are in transit."""
+    async def main():
+        w = World(group_size=2)
+        release = asyncio.Event()
+        async def slow_put(group):
+            await release.wait()  # in transit until released
+            w.buffer.append(group)
+            return 100  # room left
+
+        p = Producer(ProducerLimits("sample", 8, 2, 100), next_group=w.next_group,
+                     generate=w.generate, score=w.score, put=slow_put,
+                     on_aborted=w.on_aborted, on_failed=w.on_failed)
+        task = await run_for(p, 0.05)
+        # No put has reported yet: pending puts may be waiting, so admission stopped.
+        stalled = len(w.opened)
+        assert p.load()["pending_puts"] >= 1
+        await asyncio.sleep(0.05)
+        assert len(w.opened) == stalled
+        release.set()  # puts land and report room: admission goes on beside later puts
+        await asyncio.sleep(0.05)
+        assert len(w.opened) > stalled + 2
+        p.stop()
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_groups_opened_several_per_fetch_within_budget_target_and_drain(granularity):
+    async def main():
+        w = World(group_size=2)
+        fetches = []
+
+        async def next_groups(n):
+            fetches.append(n)
+            return [await w.next_group() for _ in range(n)]
+
+        p = Producer(ProducerLimits(granularity, 8, 2, 100), next_group=w.next_group,
+                     generate=w.generate, score=w.score, put=w.put,
+                     on_aborted=w.on_aborted, on_failed=w.on_failed, next_groups=next_groups)
+        p.set_target(5)  # sync mode: exactly 5 groups, however many a fetch could take
+        task = await run_for(p, 0.1)
+        assert len(w.buffer) == 5 and len(w.opened) == 5
+        assert max(fetches) > 1 and max(fetches) <= 4  # budget 8 samples = 4 groups
+        p.set_target(float("inf"))
+        await asyncio.sleep(0.05)
+        p.pause_admission()  # a drain: groups already fetched still run to the end
+        await asyncio.wait_for(p.wait_idle(), 1.0)
+        assert len(w.buffer) == len(w.opened) and p.load()["groups_in_flight"] == 0
+        p.stop()
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())
