@@ -118,9 +118,12 @@ class Controller:
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
         pub_start = time.monotonic()
+        # Actor metrics are gathered while the publication snapshots (one round trip each,
+        # slow when actors are busy): the loop does not pay for them in turn.
+        fleet_metrics = asyncio.ensure_future(self.fleet.metrics())
         pub_metrics = await self._publish(self.version)
         pub_s = time.monotonic() - pub_start
-        metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
+        metrics = {**train_metrics, **pub_metrics, **await fleet_metrics}
         metrics.update(self._collection_metrics(groups, wait))
         metrics.update(orchestration_metrics(time.monotonic() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
