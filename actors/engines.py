@@ -108,7 +108,10 @@ class EngineActor:
 
     def metrics(self) -> dict[str, float]:
         """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
-        return self.monitor.metrics(f"engine/{self.index}")
+        load = self.engine.load()
+        return {**self.monitor.metrics(f"engine/{self.index}"),
+                f"engine/{self.index}/running": float(load.running),
+                f"engine/{self.index}/waiting": float(load.waiting)}
 
     async def shutdown(self) -> None:
         for name in ("shutdown", "close"):
