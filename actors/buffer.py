@@ -14,6 +14,7 @@ import ray
 from actors.prompt_source import ref_of
 from rl_async.buffer import CompletedBuffer
 from rl_async.capacity import CapacityPlan
+from rl_async.loop_monitor import LoopMonitor
 from rl_async.config import RunConfig
 from rl_async.queue_metrics import with_prefix
 from rl_async.types import Group
@@ -25,6 +26,8 @@ class BufferActor:
         self.source = source
         self.plan = plan
         self._pending: list = []
+        self.monitor = LoopMonitor()
+        self.ray_calls = 0  # ledger reports sent (orchestration cost per sample)
         a = cfg.async_
         self.buffer = CompletedBuffer(
             plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
@@ -34,6 +37,7 @@ class BufferActor:
             on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]))
 
     def _tell(self, method: str, *args) -> None:
+        self.ray_calls += 1
         self._pending.append(getattr(self.source, method).remote(*args))
 
     async def _acked(self) -> None:
@@ -41,9 +45,13 @@ class BufferActor:
         if refs:
             await asyncio.gather(*refs)
 
-    async def put(self, group: Group) -> None:
+    async def put(self, group: Group) -> float:
+        """Insert; returns the room left, so the producer need not stop admitting new groups
+        while a put is merely in transit (only while one may be waiting for room)."""
+        self.monitor.ensure_started()
         await self.buffer.put(group)
         await self._acked()
+        return self.buffer.room()
 
     async def get(self, n_groups: int, version: int) -> list[Group]:
         groups = await self.buffer.get(n_groups, version)
@@ -65,4 +73,5 @@ class BufferActor:
         return len(self.buffer)
 
     def metrics(self) -> dict[str, float]:
-        return with_prefix(self.buffer.metrics())
+        return {**with_prefix(self.buffer.metrics()), **self.monitor.metrics("buffer"),
+                "buffer/ray_calls": float(self.ray_calls)}

@@ -13,9 +13,14 @@ import ray
 
 from rl_async.config import RunConfig
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
+from rl_async.loop_monitor import LoopMonitor
 
 
 def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
+    if cfg.engine.backend == "synthetic":
+        from rl_async.engine.synthetic import synthetic_engine
+
+        return synthetic_engine(cfg, index)
     if cfg.engine.backend == "embedded":
         from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
@@ -47,9 +52,11 @@ class EngineActor:
     def __init__(self, cfg: RunConfig, index: int, start_version: int = 0):
         self.index = index
         self.engine = build_engine(cfg, index, start_version)
+        self.monitor = LoopMonitor()
 
     async def start(self) -> dict:
         """Launch/attach (SGLang) and report where this engine runs."""
+        self.monitor.ensure_started()
         if hasattr(self.engine, "start"):
             await self.engine.start()
         return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
@@ -57,6 +64,13 @@ class EngineActor:
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput:
         return await self.engine.generate(input_ids, sampling_params, request_id)
+
+    @ray.method(num_returns="streaming")
+    async def generate_batch(self, requests: list):
+        """Many requests in one call, streamed back as they finish (lists of (index,
+        GenerateOutput | EngineError)): one actor call per batch, not per sample."""
+        async for finished in self.engine.generate_batch(requests):
+            yield finished
 
     async def abort(self, request_id: str | None = None) -> int:
         return await self.engine.abort(request_id)
@@ -109,6 +123,14 @@ class EngineActor:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,
         as a wedged server or a driver stuck in a kernel looks from outside."""
         time.sleep(seconds)
+
+    def metrics(self) -> dict[str, float]:
+        """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
+        load = self.engine.load()
+        return {**self.monitor.metrics(f"engine/{self.index}"),
+                f"engine/{self.index}/running": float(load.running),
+                f"engine/{self.index}/waiting": float(load.waiting),
+                f"engine/{self.index}/tokens_in_use": float(load.tokens_in_use)}
 
     async def shutdown(self) -> None:
         for name in ("shutdown", "close"):

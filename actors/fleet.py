@@ -26,6 +26,7 @@ from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async import checkpoints as ckpts
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
+from rl_async.loop_monitor import LoopMonitor, aggregate
 from rl_async.publish import BucketProgress, Publisher
 from rl_async.types import Group
 
@@ -76,6 +77,7 @@ class RayFleet:
         self.pgs: list = []
         self.actors: list = []
         self._producer_ref = None
+        self.monitor = LoopMonitor()  # the controller actor's own event loop
         # Fault tolerance (actors/engine_supervisor.py): engines out of routing, replacements
         # waiting for weights, and the publication group's current members.
         self.down: set[int] = set()
@@ -115,6 +117,7 @@ class RayFleet:
 
     async def start(self) -> None:
         cfg, plan, c = self.cfg, self.plan, self.cfg.cluster
+        self.monitor.ensure_started()
         gpu = c.inference_gpus > 0
         engine_bundle = {"CPU": c.engine_cpus, **({"GPU": c.gpus_per_engine} if gpu else {})}
         self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
@@ -124,7 +127,10 @@ class RayFleet:
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
         self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
                                    "cluster.trainer_workers / cluster.trainer_gpus"))
-        self.trainers = [self._named(TrainerWorker, f"trainer-{r}", cfg, plan, r,
+        trainer_cls = TrainerWorker
+        if cfg.train.backend == "synthetic":  # dry runs: no torch, no GPUs
+            from actors.synthetic import SyntheticTrainerWorker as trainer_cls
+        self.trainers = [self._named(trainer_cls, f"trainer-{r}", cfg, plan, r,
                                      c.trainer_workers, pg=self.pgs[-1], bundle=r,
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
                                      # CPU: two threads, so a publication's broadcast can
@@ -298,18 +304,21 @@ class RayFleet:
     async def metrics(self) -> dict[str, float]:
         parts = await self.bounded(asyncio.gather(
             self.buffer.metrics.remote(), self.producer.metrics.remote(),
-            self.reward.metrics.remote(), self.source.counts.remote()), "metrics")
-        out = {**parts[0], **parts[1], **parts[2]}
+            self.reward.metrics.remote(), self.source.counts.remote(),
+            self.source.busy.remote()), "metrics")
+        out = {**parts[0], **parts[1], **parts[2], **parts[4]}
         out.update({f"ledger/{k}": float(v) for k, v in parts[3].items()})
-        # Each engine's own view (SGLang: polled from /v1/loads in the background); an engine
-        # that fails to answer is the supervisor's business, not a reason to stop logging.
+        # Each engine's own view (loop lag, busy, running/waiting; SGLang's polled from
+        # /v1/loads); an engine that fails to answer is the supervisor's business, not a
+        # reason to stop logging.
         live = self.live_engines()
-        loads = await asyncio.gather(*(self.engines[i].load.remote() for i in live),
-                                     return_exceptions=True)
-        for i, load in zip(live, loads):
-            if isinstance(load, dict):
-                out.update({f"engine/{i}/{k}": float(load[k])
-                            for k in ("running", "waiting", "tokens_in_use")})
+        per_engine = [m for m in await asyncio.gather(
+            *(self.engines[i].metrics.remote() for i in live), return_exceptions=True)
+            if isinstance(m, dict)]
+        for m in per_engine:
+            out.update(m)
+        out.update(aggregate(per_engine, "engines"))  # mean and max over engines
+        out.update(self.monitor.metrics("controller"))
         out["faults/engine_restarts"] = float(self.supervisor.restarts.restarts
                                               if self.supervisor else 0)
         out["faults/engines_down"] = float(len(self.down))

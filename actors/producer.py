@@ -13,14 +13,16 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.prompt_source import ref_of
+from rl_async.batching import MicroBatcher
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
 from rl_async.engine.router import NoHealthyEngine, Router
-from rl_async.faults import FailureBudget, RunStopped, TransientEngineError
-from rl_async.rewards import backoff_s
 from rl_async.evaluation import eval_metrics
+from rl_async.faults import FailureBudget, RunStopped, TransientEngineError
+from rl_async.loop_monitor import LoopMonitor
 from rl_async.producer import Producer, ProducerLimits, zero_variance
+from rl_async.rewards import backoff_s
 from rl_async.rewards import RewardError
 from rl_async.tasks import stop_token_ids
 from rl_async.types import Sample
@@ -45,18 +47,24 @@ class ProducerActor:
         self.cfg, self.source, self.engines, self.reward, self.buffer = (
             cfg, source, engines, reward, buffer)
         self.router = Router(engines)
+        self.monitor = LoopMonitor()
+        self.ray_calls = 0  # actor calls this actor made (orchestration cost per sample)
+        # One batched, streamed call per engine per event-loop tick, one reward call per tick.
+        self.gen_batchers = [MicroBatcher(self._engine_stream(i)) for i in range(len(engines))]
+        self.score_batcher = MicroBatcher(self._score_batch)
         self.sampling = sampling_params(cfg)
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),
             next_group=self._call(source, "prompt source", "next_group"),
-            generate=self._generate, score=self._call(reward, "reward", "score"),
+            generate=self._generate, score=self.score_batcher.submit,
             put=self._call(buffer, "completed buffer", "put"),
             on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
                 ref_of(g), "aborted by publication or shutdown"),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
             group_errors=(EngineError, RewardError),
+            next_groups=self._call(source, "prompt source", "next_groups"),
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
             **({"filter_group": zero_variance,
@@ -70,9 +78,9 @@ class ProducerActor:
         self._fail_message: str | None = None
         self.faults = {"retried_requests": 0, "last_transient_error": ""}
 
-    @staticmethod
-    def _call(handle, role: str, method: str):
+    def _call(self, handle, role: str, method: str):
         async def call(*args):
+            self.ray_calls += 1
             try:
                 return await getattr(handle, method).remote(*args)
             except RayActorError as exc:
@@ -98,11 +106,10 @@ class ProducerActor:
         cost = len(sample.prompt_ids) + params.max_new_tokens
         index = await self._pick(group_id, cost)
         try:
-            return await self.engines[index].generate.remote(sample.prompt_ids, params)
-        except RayActorError as exc:
+            return await self.gen_batchers[index].submit((sample.prompt_ids, params))
+        except ActorDied:  # the engine's stream broke: the actor died
             if not self.cfg.fault_tolerance:
-                raise ActorDied(f"engine actor {self.cfg.run.name}/engine-{index} died: "
-                                f"{exc}") from None
+                raise
             self.router.set_healthy(index, False)  # out of routing now; the supervisor
             cause = f"engine-{index} died"          # restarts it
         except TransientEngineError as exc:
@@ -115,9 +122,30 @@ class ProducerActor:
         return GenerateOutput(request_id="", output_ids=[], output_logprobs=[],
                               token_versions=[], finish_reason="abort")
 
+    def _engine_stream(self, index: int):
+        async def send(requests: list):
+            self.ray_calls += 1
+            stream = self.engines[index].generate_batch.remote(requests)
+            try:
+                async for ref in stream:
+                    yield await ref
+            except RayActorError as exc:
+                raise ActorDied(f"engine actor {self.cfg.run.name}/engine-{index} died: "
+                                f"{exc}") from None
+        return send
+
+    async def _score_batch(self, samples: list):
+        self.ray_calls += 1
+        try:
+            scores = await self.reward.score_batch.remote(samples)
+        except RayActorError as exc:
+            raise ActorDied(f"the reward actor died during score_batch: {exc}") from None
+        yield list(enumerate(scores))
+
     async def run(self) -> None:
         """The producer loop, until stopped; raises its fatal error, or one a fault policy
         reported with `fail` (an engine past its restarts)."""
+        self.monitor.ensure_started()
         task = asyncio.ensure_future(self.core.run())
         failed = asyncio.ensure_future(self._failed.wait())
         await asyncio.wait({task, failed}, return_when=asyncio.FIRST_COMPLETED)
@@ -218,4 +246,10 @@ class ProducerActor:
         out.update({f"producer/{k}": float(v) for k, v in self.core.load().items()})
         for load in self.router.loads():
             out[f"engine/{load['engine']}/outstanding_requests"] = load["outstanding_requests"]
+        out.update(self.monitor.metrics("producer"))
+        out["producer/ray_calls"] = float(self.ray_calls)
+        out.update(self.score_batcher.metrics("producer/reward"))
+        for b in self.gen_batchers:
+            for k, v in b.metrics("producer/generate").items():
+                out[k] = out.get(k, 0.0) + v
         return out

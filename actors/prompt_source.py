@@ -11,6 +11,7 @@ import ray
 
 from rl_async.config import RunConfig
 from rl_async.ledger import PromptLedger
+from rl_async.loop_monitor import CpuMeter
 from rl_async.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
 from rl_async.types import Group
 
@@ -27,6 +28,7 @@ class PromptSourceActor:
         tok = load_tokenizer(cfg.model)  # text rows go through its chat template
         self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok), cfg.run.seed)
         self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok)[: cfg.task.num_eval_prompts]
+        self.meter = CpuMeter()
         n = cfg.rollout.n_samples_per_prompt
         self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),
                                    cfg.async_.max_retries, cfg.async_.unused_samples_handler)
@@ -36,6 +38,10 @@ class PromptSourceActor:
         if group is None:  # the built-in and JSONL sources cycle; this is a bug if it happens
             raise RuntimeError("the prompt source is exhausted")
         return group
+
+    def next_groups(self, n: int) -> list[Group]:
+        """`n` groups in one call (the producer opens several at once)."""
+        return [self.next_group() for _ in range(n)]
 
     def get_eval_prompts(self):
         return self.eval_prompts
@@ -60,6 +66,9 @@ class PromptSourceActor:
 
     def counts(self) -> dict[str, int]:
         return self.ledger.counts()
+
+    def busy(self) -> dict[str, float]:
+        return self.meter.metrics("prompt_source")
 
     def failures(self) -> list[dict]:
         return self.ledger.failures()

@@ -6,10 +6,13 @@ by the fleet before this actor), under the judge's own timeout and retries."""
 
 from __future__ import annotations
 
+import asyncio
+
 import ray
 
 from rl_async.config import RunConfig
 from rl_async.judging import judge_app_name
+from rl_async.loop_monitor import LoopMonitor
 from rl_async.rewards import RewardRunner, load_callable
 from rl_async.tasks import default_reward_path, load_tokenizer
 from rl_async.types import Sample
@@ -19,6 +22,7 @@ from rl_async.types import Sample
 class RewardActor:
     def __init__(self, cfg: RunConfig):
         r, j = cfg.reward, cfg.judge
+        self.monitor = LoopMonitor()
         # Text tasks: responses are decoded once here, for reward functions and judges.
         self.tokenizer = load_tokenizer(cfg.model)
         if j.enabled:
@@ -33,10 +37,20 @@ class RewardActor:
                                    r.concurrency)
 
     async def score(self, sample: Sample) -> float:
+        self.monitor.ensure_started()
         if self.tokenizer is not None:
             sample.metadata["response_text"] = self.tokenizer.decode(
                 sample.response_ids, skip_special_tokens=True)
         return await self.runner.score(sample)
 
+    async def score_batch(self, samples: list[Sample]) -> list:
+        """Many samples in one actor call. The reward function's contract is unchanged (one
+        sample in, one float out, sync or async): each sample is scored on its own,
+        concurrently under reward.concurrency, and a sample's RewardError is returned in its
+        place, failing only that sample's group."""
+        self.monitor.ensure_started()
+        return await asyncio.gather(*(self.score(s) for s in samples),
+                                    return_exceptions=True)
+
     def metrics(self) -> dict[str, float]:
-        return self.runner.metrics()
+        return {**self.runner.metrics(), **self.monitor.metrics("reward")}

@@ -96,12 +96,17 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
               metavar="[PATH]", help="Continue from the latest complete checkpoint of the "
               "newest run under <run.output_dir>/<run.name>, or from PATH (a checkpoint or a "
               "run directory).")
+@click.option("--dry-run", is_flag=True,
+              help="The file's whole actor system on CPUs with synthetic engines and trainers "
+                   "(no GPUs, no model): see how limits, buffer and staleness behave.")
 def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
-        resume: str | None) -> None:
+        resume: str | None, dry_run: bool) -> None:
     """Run training: a local Ray cluster on 127.0.0.1, or the cluster in RAY_ADDRESS."""
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
+    if dry_run:
+        cfg, report = _dry_run(cfg, overrides)
     from launch.run import run_training  # heavy imports only after the config is valid
     from rl_async.checkpoints import ResumeError
 
@@ -135,6 +140,18 @@ def export_cmd(checkpoint: str, out: str, dtype: str) -> None:
     from rl_async.hf_export import export_checkpoint
 
     click.echo(str(export_checkpoint(checkpoint, out, dtype)))
+
+
+def _dry_run(cfg: RunConfig, overrides: tuple[str, ...]) -> tuple[RunConfig, Report]:
+    from rl_async.dry_run import dry_run_config
+
+    cfg, notes = dry_run_config(cfg, overrides)
+    for note in notes:
+        click.echo(f"[rl-async] dry run: {note}")
+    report = validate(cfg)
+    if not report.ok:
+        _fail(report.errors)
+    return cfg, report
 
 
 if __name__ == "__main__":

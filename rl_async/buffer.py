@@ -27,6 +27,8 @@ compacted when dead entries outnumber live ones.
 
 from __future__ import annotations
 
+import math
+
 import heapq
 import itertools
 import time
@@ -176,13 +178,22 @@ class CompletedBuffer:
         if self._overflow == "evict":
             self._evict_to_limit()
 
+    def room(self) -> float:
+        """Groups a put can insert now without waiting (inf under `evict`: puts never wait)."""
+        if self._overflow == "evict":
+            return math.inf
+        return max(0, self._limit() - len(self._groups))
+
     def set_version(self, version: int) -> None:
         """The controller's latest policy version (the threshold of stale eviction)."""
         self._advance_version(version, "set_version")
 
     def reserve(self, n_groups: int) -> None:
-        """Add room for `n_groups` completions a producer already owns (lifecycle drains)."""
-        self._reserve += _check_int("reserve(n_groups)", n_groups, 0)
+        """Add room for `n_groups` MORE completions a producer already owns (lifecycle
+        drains). Groups resident above the limit (left by an earlier drain's reserve) do not
+        eat into it: otherwise those owned completions would block forever."""
+        n = _check_int("reserve(n_groups)", n_groups, 0)
+        self._reserve += n + max(0, len(self._groups) - self._limit())
         self._wake_putters()
 
     def release_reserve(self, n_groups: int | None = None) -> int:

@@ -83,6 +83,10 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} and cluster.inference_gpus = "
                       f"{c.inference_gpus}: weights are published over NCCL (both on GPU) or gloo "
                       f"(both on CPU); put trainers and engines on the same kind of device")
+    if (cfg.engine.backend == "synthetic") != (cfg.train.backend == "synthetic"):
+        errors.append(f"engine.backend = {cfg.engine.backend!r} and train.backend = "
+                      f"{cfg.train.backend!r}: synthetic engines only receive a synthetic "
+                      f"trainer's publication; set both to 'synthetic' (or use --dry-run)")
     if cfg.train.backend == "megatron" and c.trainer_gpus == 0:
         errors.append("train.backend = 'megatron' needs cluster.trainer_gpus > 0")
     if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:

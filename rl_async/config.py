@@ -77,7 +77,8 @@ class ModelSection(Section):
 
 
 class EngineSection(Section):
-    backend: Literal["embedded", "sglang"] | None = None  # profile default
+    # "synthetic": a load generator with realistic latencies, no model (see [synthetic]).
+    backend: Literal["embedded", "sglang", "synthetic"] | None = None  # profile default
     # Embedded engine: token budget over running requests (prompt + generated tokens).
     max_total_tokens: PositiveInt = 8192
     torch_threads: PositiveInt = 1
@@ -125,7 +126,8 @@ class RolloutSection(Section):
 
 
 class TrainSection(Section):
-    backend: Literal["torch", "megatron"] = "torch"
+    # "synthetic": spends [synthetic] train_seconds_per_sample per sample, no model.
+    backend: Literal["torch", "megatron", "synthetic"] = "torch"
     # Samples per optimizer step; omitted -> one step per collection.
     global_batch_size: PositiveInt | None = None
     micro_batch_size: PositiveInt = 8
@@ -246,6 +248,32 @@ class JudgeSection(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)  # judge constructor arguments
 
 
+class SyntheticSection(Section):
+    """Synthetic engines and trainers: real load generators for dry runs and orchestration
+    benchmarks. Defaults: a 7-8B bf16 model on H100/H200 with SGLang; sources and the models
+    themselves in rl_async/engine/timing.py."""
+
+    # Multiplies every simulated latency: 1 = real time, 0.1 = ten times faster, 0 = instant.
+    time_scale: float = Field(1.0, ge=0)
+    prefill_tokens_per_s: PositiveFloat = 20_000.0
+    prefill_overhead_s: float = Field(0.005, ge=0)
+    decode_step_base_s: float = Field(0.008, ge=0)
+    decode_step_per_request_s: float = Field(0.00015, ge=0)
+    decode_step_per_kv_token_s: float = Field(2e-8, ge=0)
+    # Response lengths: lognormal(median, sigma), capped at rollout.max_response_len.
+    response_len_median: PositiveFloat = 512.0
+    response_len_sigma: float = Field(1.0, ge=0)
+    vocab_size: PositiveInt = 32_000
+    # Publication: the trainer "publishes" this many bytes in publication.bucket_bytes buckets
+    # (default: Qwen2.5-7B in bf16), taking bytes / weight_sync_bytes_per_s per bucket.
+    publish_bytes: int = Field(15_230_000_000, ge=0)
+    weight_sync_bytes_per_s: PositiveFloat = 10e9
+    bucket_latency_s: float = Field(0.005, ge=0)
+    group_init_s: float = Field(1.0, ge=0)
+    # Trainer-group compute per sample of a collection (all ranks together).
+    train_seconds_per_sample: float = Field(0.05, ge=0)
+
+
 class WandbSection(Section):
     mode: Literal["online", "offline", "disabled"] | None = None  # profile default
     project: str = "rl-async"
@@ -273,6 +301,7 @@ class RunConfig(Section):
     filter: FilterSection = Field(default_factory=FilterSection)
     judge: JudgeSection = Field(default_factory=JudgeSection)
     wandb: WandbSection = Field(default_factory=WandbSection)
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
     # True when the file has an [async] table (SPEC §2); set by the loader, not a user key.
     _structured: bool = PrivateAttr(True)
 

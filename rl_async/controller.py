@@ -144,15 +144,24 @@ class Controller:
         wait_start = time.monotonic()
         groups = await self._get_collection()
         wait = time.monotonic() - wait_start
+        train_start = time.monotonic()
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),
                                             f"training the collection at version {self.version}")
+        train_s = time.monotonic() - train_start
         trained_at = self.version
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
         await self.fleet.record_trained(p.step, trained_at, groups)
+        pub_start = time.monotonic()
+        # Actor metrics are gathered while the publication snapshots (one round trip each,
+        # slow when actors are busy): the loop does not pay for them in turn.
+        fleet_metrics = asyncio.ensure_future(self.fleet.metrics())
         pub_metrics = await self._publish(self.version)
-        metrics = {**train_metrics, **pub_metrics, **await self.fleet.metrics()}
+        pub_s = time.monotonic() - pub_start
+        metrics = {**train_metrics, **pub_metrics, **await fleet_metrics}
         metrics.update(self._collection_metrics(groups, wait))
+        metrics.update(orchestration_metrics(time.monotonic() - wait_start, wait, train_s,
+                                             pub_s, self.plan.optimizer_steps_per_collection))
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
@@ -326,3 +335,16 @@ class Controller:
             "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
         }
+
+
+def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_s: float,
+                          updates: int) -> dict[str, float]:
+    """The controller loop's own time in one collection: everything but waiting for the
+    collection, training and the awaited part of publication (metrics gathering, logging,
+    bookkeeping), per optimizer update. Trainer wait high with this low: generation is the
+    bottleneck; this high: orchestration is."""
+    own = max(0.0, step_s - wait_s - train_s - publish_s)
+    return {"perf/orchestration_seconds_per_step": own / updates,
+            "perf/orchestration_fraction": own / step_s if step_s > 0 else 0.0,
+            "perf/step_seconds": step_s / updates}
+

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -87,7 +88,9 @@ class Producer:
                  group_errors: tuple[type[BaseException], ...] = (),
                  filter_group: Callable[[Group], str | None] | None = None,
                  on_filtered: Callable[[Group, str], Awaitable[None]] | None = None,
-                 failure_budget: FailureBudget | None = None):
+                 failure_budget: FailureBudget | None = None,
+                 next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
+                 max_fetch_groups: int = 8):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -99,6 +102,11 @@ class Producer:
             raise ValueError("Producer: pass both filter_group and on_filtered, or neither")
         self._filter_group, self._on_filtered = filter_group, on_filtered
         self._budget_of_failures = failure_budget
+        # Opening groups k at a time saves k - 1 round trips to the prompt source; k never
+        # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
+        # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
+        self._next_groups, self._max_fetch = next_groups, max(1, max_fetch_groups)
+        self._ready: deque[_OpenGroup] = deque()
         self._budget = asyncio.Semaphore(limits.producer_samples)
         self._gen_sem = asyncio.Semaphore(limits.http_slots)
         self._gate = asyncio.Event()        # admission of new groups
@@ -107,9 +115,13 @@ class Producer:
         self._gen_gate.set()
         self._gen_idle = asyncio.Event()    # no generation request outstanding
         self._gen_idle.set()
-        self._no_pending_put = asyncio.Event()
+        self._no_pending_put = asyncio.Event()  # no put may be waiting for buffer room
         self._no_pending_put.set()
         self._pending_puts = 0
+        # Buffer room the last finished put reported (a `put` that returns None reports
+        # nothing: 0, every pending put may be waiting). Pending puts beyond it may be
+        # waiting for room, and then no new group is opened (SPEC §4).
+        self._known_room: float = 0
         self._open: _OpenGroup | None = None
         self._groups_in_flight = 0
         self._samples_in_flight = 0
@@ -196,29 +208,45 @@ class Producer:
             await self._no_pending_put.wait()
             if self._stopped or self._fatal is not None:
                 return False
-            if not self._gate.is_set():  # paused while waiting for a pending put
+            if not self._gate.is_set():  # paused while waiting for buffer room
                 continue
             if self.stats.inserted_groups + self._groups_in_flight < self._target:
                 return True
             await asyncio.sleep(0.01)
 
     async def _open_group(self) -> _OpenGroup | None:
+        if self._ready:  # fetched earlier, already owned: runs even while admission pauses
+            return self._ready.popleft()
         if not await self._wait_admissible():
             return None
-        # Counted before the fetch: the ledger issues the group during it, so a drain that
-        # paused admission meanwhile must wait for this group too (else it ends "idle" with
-        # one group in flight that nobody finishes).
+        # Counted before the fetch: the ledger issues the group(s) during it, so a drain
+        # that paused admission meanwhile waits for them too (not "idle" with a group half
+        # submitted), even if every other group finishes during the fetch.
         self._groups_in_flight += 1
         self._idle.clear()
         try:
-            group = await self._next_group()
-            if group.size != self.limits.group_size:
-                raise ValueError(f"group {group.group_id!r} has {group.size} samples, expected "
-                                 f"rollout.n_samples_per_prompt = {self.limits.group_size}")
+            k = self._fetch_count()
+            groups = await self._next_groups(k) if k > 1 else [await self._next_group()]
+            for group in groups:
+                if group.size != self.limits.group_size:
+                    raise ValueError(f"group {group.group_id!r} has {group.size} samples, "
+                                     f"expected rollout.n_samples_per_prompt = "
+                                     f"{self.limits.group_size}")
         except BaseException:
             self._group_done()
             raise
-        return _OpenGroup(group)
+        self._groups_in_flight += len(groups) - 1
+        self._ready.extend(_OpenGroup(g) for g in groups[1:])
+        return _OpenGroup(groups[0])
+
+    def _fetch_count(self) -> int:
+        """Groups to open now: this one plus whole groups of free budget, within the target
+        (the one being fetched is already counted in flight)."""
+        if self._next_groups is None:
+            return 1
+        free = self._budget._value // self.limits.group_size  # CPython asyncio: free permits
+        room = self._target - self.stats.inserted_groups - (self._groups_in_flight - 1)
+        return int(max(1, min(self._max_fetch, 1 + free, room)))
 
     async def _admit_group(self) -> None:
         for _ in range(self.limits.group_size):
@@ -350,13 +378,19 @@ class Producer:
 
     async def _insert(self, group: Group) -> None:
         self._pending_puts += 1
-        self._no_pending_put.clear()
+        self._update_put_gate()
         start = time.monotonic()
         try:
-            await self._put(group)
+            room = await self._put(group)
+            self._known_room = room if isinstance(room, (int, float)) else 0
             self.stats.inserted_groups += 1
         finally:
             self.stats.put_wait_seconds += time.monotonic() - start
             self._pending_puts -= 1
-            if self._pending_puts == 0:
-                self._no_pending_put.set()
+            self._update_put_gate()
+
+    def _update_put_gate(self) -> None:
+        if self._pending_puts <= self._known_room:  # every pending put fits: none waits
+            self._no_pending_put.set()
+        else:
+            self._no_pending_put.clear()

@@ -88,6 +88,16 @@ class Engine(abc.ABC):
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput: ...
 
+    async def generate_batch(self, requests: list[tuple[list[int], SamplingParams]]):
+        """Many requests in one call (one actor call per batch): an async iterator of
+        `[(index, GenerateOutput | EngineError), ...]` lists as requests finish. A request's
+        own error is yielded as its value; closing the iterator early aborts the rest."""
+        from rl_async.batching import as_finished  # no cycle: batching has no engine imports
+
+        calls = [self.generate(ids, params) for ids, params in requests]
+        async for finished in as_finished(calls, forward=(EngineError,)):
+            yield finished
+
     @abc.abstractmethod
     async def abort(self, request_id: str | None = None) -> int:
         """Abort one request (or all when None). Returns how many were aborted."""

@@ -154,6 +154,20 @@ def test_reserve_lets_owned_completions_in_beyond_capacity():
     assert run(main()) == ["d"]
 
 
+def test_a_second_drain_reserves_room_above_groups_left_by_the_first():
+    async def main():
+        buf = CompletedBuffer(1, max_lag=3)
+        await buf.put(grp("a"))
+        buf.reserve(2)  # first drain: two owned completions land above capacity
+        await buf.put(grp("b"))
+        await buf.put(grp("c"))
+        buf.release_reserve()
+        buf.reserve(1)  # second drain, nothing consumed in between: one more must fit
+        await asyncio.wait_for(buf.put(grp("d")), 1.0)
+        return len(buf)
+    assert run(main()) == 4
+
+
 def test_reserve_raises_the_evict_limit():
     async def main():
         buf, log = evicting(1)

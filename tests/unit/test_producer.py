@@ -271,3 +271,80 @@ def test_eval_metrics_pass_and_mean_at_k():
     assert eval_metrics([0.0, 1.0, 1.0]) == {"reward": 2 / 3}
     with pytest.raises(ValueError, match="same k"):
         eval_metrics([1.0], [[1.0], [1.0, 0.0]])
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_admission_paused_while_waiting_for_buffer_room_opens_no_group(granularity):
+    """A drain pauses admission while the admission loop waits for a full buffer; when room
+    appears, no new group may be opened (a stop would leave it half submitted)."""
+    async def main():
+        w = World(group_size=2, buffer_room=1)
+        p = w.producer(granularity, budget=8)
+        task = await run_for(p, 0.05)  # buffer full, a completed group waits for room
+        assert p.load()["pending_puts"] >= 1
+        p.pause_admission()
+        opened = len(w.opened)
+        w.buffer_room = 100
+        await w.take(100)  # room: every pending put lands
+        await asyncio.wait_for(p.wait_idle(), 1.0)
+        await asyncio.sleep(0.02)
+        assert len(w.opened) == opened and p.load()["groups_in_flight"] == 0
+        p.stop()
+        await w.take(100)
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())
+
+
+def test_admission_goes_on_while_puts_are_in_transit_and_stops_when_one_may_wait():
+    """Puts that have not reported stop admission (one may wait for room); once puts report
+    room left, admission goes on while later puts are in transit."""
+    async def main():
+        w = World(group_size=2)
+        release = asyncio.Event()
+        async def slow_put(group):
+            await release.wait()  # in transit until released
+            w.buffer.append(group)
+            return 100  # room left
+
+        p = Producer(ProducerLimits("sample", 8, 2, 100), next_group=w.next_group,
+                     generate=w.generate, score=w.score, put=slow_put,
+                     on_aborted=w.on_aborted, on_failed=w.on_failed)
+        task = await run_for(p, 0.05)
+        # No put has reported yet: pending puts may be waiting, so admission stopped.
+        stalled = len(w.opened)
+        assert p.load()["pending_puts"] >= 1
+        await asyncio.sleep(0.05)
+        assert len(w.opened) == stalled
+        release.set()  # puts land and report room: admission goes on beside later puts
+        await asyncio.sleep(0.05)
+        assert len(w.opened) > stalled + 2
+        p.stop()
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("granularity", ["group", "sample"])
+def test_groups_opened_several_per_fetch_within_budget_target_and_drain(granularity):
+    async def main():
+        w = World(group_size=2)
+        fetches = []
+
+        async def next_groups(n):
+            fetches.append(n)
+            return [await w.next_group() for _ in range(n)]
+
+        p = Producer(ProducerLimits(granularity, 8, 2, 100), next_group=w.next_group,
+                     generate=w.generate, score=w.score, put=w.put,
+                     on_aborted=w.on_aborted, on_failed=w.on_failed, next_groups=next_groups)
+        p.set_target(5)  # sync mode: exactly 5 groups, however many a fetch could take
+        task = await run_for(p, 0.1)
+        assert len(w.buffer) == 5 and len(w.opened) == 5
+        assert max(fetches) > 1 and max(fetches) <= 4  # budget 8 samples = 4 groups
+        p.set_target(float("inf"))
+        await asyncio.sleep(0.05)
+        p.pause_admission()  # a drain: groups already fetched still run to the end
+        await asyncio.wait_for(p.wait_idle(), 1.0)
+        assert len(w.buffer) == len(w.opened) and p.load()["groups_in_flight"] == 0
+        p.stop()
+        await asyncio.wait_for(task, 1.0)
+    asyncio.run(main())

@@ -1,0 +1,101 @@
+"""Synthetic trainer worker: the TrainerWorker interface over rl_async.train.synthetic.
+
+Used with `train.backend = "synthetic"` (dry runs, orchestration benchmarks). No torch, no
+process group: ranks only wait the simulated time, and rank 0 "broadcasts" each bucket in the
+time the transfer would take, while the synthetic engines receive it in the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import ray
+
+from rl_async.capacity import CapacityPlan
+from rl_async.config import RunConfig
+from rl_async.engine.timing import TrainerTiming, TransferTiming
+from rl_async.train.synthetic import SyntheticTrainer
+from rl_async.types import Group
+
+
+def transfer_timing(cfg: RunConfig) -> TransferTiming:
+    s = cfg.synthetic
+    return TransferTiming(s.weight_sync_bytes_per_s, s.bucket_latency_s, s.group_init_s)
+
+
+@ray.remote
+class SyntheticTrainerWorker:
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        t = cfg.train
+        # A megatron-shaped run keeps its data-parallel layout: TP x PP ranks share a shard.
+        self.model_parallel = t.tensor_parallel * t.pipeline_parallel \
+            if world % (t.tensor_parallel * t.pipeline_parallel) == 0 else 1
+        self.scale = cfg.synthetic.time_scale
+        self.trainer = SyntheticTrainer(
+            TrainerTiming(cfg.synthetic.train_seconds_per_sample), transfer_timing(cfg),
+            cfg.synthetic.publish_bytes, plan.optimizer_steps_per_collection,
+            world // self.model_parallel)
+        self._metas: list[tuple] = []
+
+    def address(self) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def setup(self, master_addr: str, master_port: int) -> int:
+        return os.getpid()
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        return self.rank // self.model_parallel, self.world // self.model_parallel
+
+    def train(self, groups: list[Group], version: int) -> dict[str, float]:
+        seconds = self.trainer.collection_seconds(groups)
+        time.sleep(seconds * self.scale)
+        return self.trainer.metrics(groups, version, seconds * self.scale)
+
+    def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
+                               backend: str, timeout_s: float | None = None,
+                               group_name: str | None = None) -> None:
+        time.sleep(self.trainer.transfer.group_init_s * self.scale)
+
+    def reports_metrics(self) -> bool:
+        return self.rank == 0
+
+    def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
+        self._metas = self.trainer.publication_metas(bucket_bytes)
+        return self._metas if self.rank == 0 else []
+
+    def broadcast_bucket(self, index: int) -> None:
+        time.sleep(self.trainer.transfer.bucket_seconds(self._metas[index][3]) * self.scale)
+
+    def save_checkpoint(self, directory: str, extra: dict) -> str | None:
+        """Rank 0 writes what a checkpoint would carry besides the weights (ledger, version)."""
+        if self.rank != 0:
+            return None
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "synthetic_trainer.json").write_text(json.dumps(
+            {"step": self.trainer.step, "extra": extra}, default=str))
+        return str(path)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        state = json.loads((Path(directory) / "synthetic_trainer.json").read_text())
+        self.trainer.step = int(state["step"])
+        return state["extra"]
+
+    def export_hf(self, directory: str) -> str | None:
+        """A dry run has no weights: the export is a note saying so."""
+        if self.rank != 0:
+            return None
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "SYNTHETIC.txt").write_text(
+            "dry run (train.backend = synthetic): no model weights to export\n")
+        return directory
+
+    def snapshot_checksum(self) -> str:
+        return self.weights_checksum()
+
+    def weights_checksum(self) -> str:
+        return self.trainer.checksum(self.cfg.publication.bucket_bytes)
