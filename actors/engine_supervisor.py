@@ -10,7 +10,9 @@
           -> kill it (an SGLang server dies with its actor's process group), start a
              replacement in the same placement-group bundle
           -> the next publication re-forms the weight group with it and sends it the
-             current weights; only then does it rejoin routing (RayFleet.send)
+             current weights; only then does it rejoin routing (RayFleet.send). When no
+             other engine can generate (all were lost), it gets the last published weights
+             at once (RayFleet.catch_up): the next publication would need a collection.
 
 An engine that dies during a weight transfer fails that publication (the transfer cannot
 complete without it); the run then stops with the stage named.
@@ -102,6 +104,7 @@ class EngineSupervisor:
             fleet.engines[i] = new
             fleet.down.discard(i)
             fleet.pending_up.add(i)
+        await fleet.catch_up()  # at once if nothing else can generate
 
     @staticmethod
     async def _name_free(name: str) -> None:

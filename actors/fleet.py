@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.buffer import BufferActor
 from actors.engine_supervisor import EngineSupervisor
 from actors.engines import EngineActor
+from actors.fleet_publication import FleetPublication
 from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
@@ -27,11 +27,10 @@ from rl_async import checkpoints as ckpts
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.loop_monitor import LoopMonitor, aggregate
-from rl_async.publish import BucketProgress, Publisher
+from rl_async.publish import Publisher
 from rl_async.types import Group
 
 PLACEMENT_TIMEOUT_S = 120
-SEND_ATTEMPTS = 3  # a transfer is redone without engines that died during it
 CONTROL_CALL_TIMEOUT_S = 120  # control calls answer in milliseconds; this is a dead man's switch
 ENGINE_SHUTDOWN_TIMEOUT_S = 60
 
@@ -66,7 +65,7 @@ def metrics_rank(reporters: list[bool]) -> int:
     return claimed[0]
 
 
-class RayFleet:
+class RayFleet(FleetPublication):
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, run_dir: str | None = None,
                  resume: Resume | None = None):
         self.cfg, self.plan = cfg, plan
@@ -90,6 +89,7 @@ class RayFleet:
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
         # The policy version engines hold (a replacement samples from a fresh seed stream).
         self.version_hint = resume.version if resume else 0
+        self.snapshot_pending = False
 
     async def bounded(self, ref, what: str, timeout_s: float = CONTROL_CALL_TIMEOUT_S):
         """A control call on another actor, with a deadline: a wedged actor surfaces as an
@@ -172,30 +172,6 @@ class RayFleet:
         if cfg.fault_tolerance:
             self.supervisor = EngineSupervisor(self)
             self.supervisor.start()
-
-    async def _init_publication_group(self, members: list[int] | None = None) -> None:
-        """(Re-)form the weight-publication group: trainer rank 0 and the engines in
-        `members` (all by default). A restarted engine cannot join a formed group, so a
-        change of members forms a new group under a new name (RayFleet.send)."""
-        members = list(range(len(self.engines))) if members is None else members
-        self._group_generation += 1
-        name = f"{PUBLICATION_GROUP}-{self._group_generation}"
-        addr, port = await self.trainers[0].address.remote()
-        # Every tensor-parallel rank of an engine joins: engine i holds group ranks
-        # 1 + i*tp ... (i+1)*tp; the trainer's rank 0 is the source.
-        tp = self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
-        world = 1 + len(members) * tp
-        backend = "nccl" if self.cfg.cluster.trainer_gpus else "gloo"
-        # The group's own timeout is the publication deadline too: a hung broadcast then
-        # errors (gloo) or is aborted by NCCL's watchdog at the deadline, not after 30 min.
-        timeout_s = self.cfg.publication.timeout_s
-        await asyncio.gather(
-            self.trainers[0].init_publication_group.remote(addr, port, world, backend,
-                                                           timeout_s, name),
-            *(self.engines[m].init_weights_update_group.remote(addr, port, 1 + k * tp, world,
-                                                               name, backend)
-              for k, m in enumerate(members)))
-        self._group = (name, members)
 
     async def _start_judge(self) -> None:
         from actors.judges import deploy_judge  # imports Ray Serve only when judging
@@ -356,114 +332,3 @@ class RayFleet:
         return out
 
     # ---- publication (PublicationOps) --------------------------------------------------------
-    async def stop_submissions(self) -> None:
-        await self.bounded(self.producer.pause_generation.remote(), "producer.pause_generation")
-
-    async def drain(self, timeout_s: float) -> bool:
-        return await self.producer.drain_generation.remote(timeout_s)
-
-    def live_engines(self) -> list[int]:
-        """Engines not known to be down (replacements waiting for weights included)."""
-        return [i for i in range(len(self.engines)) if i not in self.down]
-
-    async def lost(self, i: int, cause: str) -> None:
-        """Engine i failed a fleet call: without fault tolerance the run stops; with it,
-        the engine leaves routing and the supervisor replaces it (in its own task: the
-        caller may hold members_lock)."""
-        if self.supervisor is None:
-            raise RuntimeError(f"engine actor {self.prefix}/engine-{i} died: {cause} "
-                               f"(engine.fault_tolerance is off)")
-        if i not in self.down:
-            self.down.add(i)
-            asyncio.ensure_future(self.supervisor.restart(i, cause))
-
-    async def _on_live_engines(self, call) -> None:
-        """`call(engine)` on every live engine; one that turns out dead is `lost`."""
-        live = self.live_engines()
-        results = await asyncio.gather(*(call(self.engines[i]) for i in live),
-                                       return_exceptions=True)
-        for i, r in zip(live, results):
-            if isinstance(r, RayActorError):
-                await self.lost(i, f"the actor died: {r}")
-            elif isinstance(r, BaseException):
-                raise r
-
-    async def pause_engines(self, mode: str) -> None:
-        await self._on_live_engines(lambda e: e.pause_generation.remote(mode))
-
-    async def continue_engines(self) -> None:
-        await self._on_live_engines(lambda e: e.continue_generation.remote())
-
-    async def resume_submissions(self) -> None:
-        await self.bounded(self.producer.resume_generation.remote(),
-                           "producer.resume_generation")
-
-    async def snapshot(self) -> None:
-        """Trainer rank 0 copies the weights into its publication buckets."""
-        flat = self.cfg.engine.backend == "embedded"
-        bucket_bytes = self.cfg.publication.bucket_bytes
-        ranks = self._collective_ranks()
-        self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
-                                              for t in ranks)))[0]
-
-    async def send(self, version: int, progress: BucketProgress | None = None) -> int:
-        """Broadcast the snapshot bucket by bucket; the last bucket carries the version.
-        Engines that are down are left out; replacements join (a new group) and rejoin
-        routing once they hold this version. An engine that dies during the transfer is
-        left out and the transfer is redone over a new group (the snapshot is unchanged)."""
-        async with self.members_lock:
-            self.version_hint = version
-            for _attempt in range(SEND_ATTEMPTS):
-                live = self.live_engines()
-                if live != self._group[1]:
-                    await self._init_publication_group(live)
-                sent, dead = await self._broadcast(version, live, progress)
-                if not dead:
-                    break
-                for i, cause in dead.items():
-                    await self.lost(i, cause)
-            else:
-                raise RuntimeError(f"weight transfer of version {version}: engines kept dying "
-                                   f"during {SEND_ATTEMPTS} attempts")
-            if self.cfg.publication.verify_checksum:
-                await self.verify_weights(live)
-            for i in sorted(self.pending_up & set(live)):
-                await self.producer.engine_up.remote(i, self.engines[i])
-                self.pending_up.discard(i)
-        return sent
-
-    async def _broadcast(self, version: int, live: list[int],
-                         progress: BucketProgress | None) -> tuple[int, dict[int, str]]:
-        """One pass over the buckets; returns (bytes sent, {dead engine: cause})."""
-        name, sent = self._group[0], 0
-        for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
-            if progress is not None:
-                progress(i, len(self._metas))
-            last = i == len(self._metas) - 1
-            trainer, *engines = await asyncio.gather(
-                self.trainers[0].broadcast_bucket.remote(i),
-                *(self.engines[m].update_weights_from_distributed.remote(
-                    names, dtypes, shapes, name, version if last else None) for m in live),
-                return_exceptions=True)
-            dead = {m: f"the actor died during the weight transfer: {r}"
-                    for m, r in zip(live, engines) if isinstance(r, RayActorError)}
-            if dead:  # the collective is broken for everyone: redo it without them
-                return sent, dead
-            for r in (trainer, *engines):
-                if isinstance(r, BaseException):
-                    raise r
-            sent += nbytes
-        return sent, {}
-
-    async def transfer(self, version: int) -> int:
-        """snapshot + send (start-up, and tests that publish by hand)."""
-        await self.snapshot()
-        return await self.send(version)
-
-    async def verify_weights(self, members: list[int]) -> None:
-        want = await self.trainers[0].snapshot_checksum.remote()
-        got = await asyncio.gather(*(self.engines[i].weights_checksum.remote() for i in members))
-        bad = [i for i, g in zip(members, got) if g != want]
-        if bad:
-            raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "
-                               f"publication (checksum mismatch)")

@@ -134,7 +134,8 @@ def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     t, workers = cfg.train, cfg.cluster.trainer_workers
     model_parallel = t.tensor_parallel * t.pipeline_parallel
     errors: list[str] = []
-    if t.backend != "megatron" and model_parallel > 1:
+    # synthetic trainers (dry runs) keep a megatron file's layout
+    if t.backend not in ("megatron", "synthetic") and model_parallel > 1:
         return [f"train.tensor_parallel = {t.tensor_parallel}, train.pipeline_parallel = "
                 f"{t.pipeline_parallel}: model parallelism needs train.backend = 'megatron' "
                 f"(train.backend = {t.backend!r} is data parallel only)"]

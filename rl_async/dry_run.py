@@ -14,7 +14,8 @@ What changes, and why:
   `synthetic.vocab_size` tokens: no checkpoint, tokenizer or prompt file has to exist (the
   reward then scores random tokens: what matters here is timing, not learning);
 - judges keep their autoscaling settings but reserve no CPUs or GPUs;
-- W&B is disabled, the run name gets a `-dry-run` suffix;
+- W&B is disabled, the run name gets a `-dry-run` suffix, checkpoints (no weights, just the
+  ledger and counters) go to `runs/dry-run` unless `run.output_dir` is set with `--set`;
 - bounded by default: `run.max_steps` is capped at DRY_RUN_MAX_STEPS unless `--set
   run.max_steps=N` is given, and simulated time runs DRY_RUN_TIME_SCALE times real time
   unless `synthetic.time_scale` is set in the file or with `--set` (ratios of generation,
@@ -27,6 +28,7 @@ from rl_async.config import RunConfig
 
 DRY_RUN_MAX_STEPS = 10
 DRY_RUN_TIME_SCALE = 0.1
+DRY_RUN_OUTPUT_DIR = "runs/dry-run"
 TOKEN_CPUS = 0.01
 PLAN_KEYS = ("engines", "max_running_requests", "server_concurrency", "http_slots",
              "engine_slots", "producer_samples", "completed_buffer_groups",
@@ -64,6 +66,10 @@ def dry_run_config(cfg: RunConfig, overrides: tuple[str, ...] | list[str] = ()
         notes.append("judges: the built-in RuleJudge with no CPU/GPU reservation")
     data["wandb"]["mode"] = "disabled"
     data["run"]["name"] = f"{cfg.run.name}-dry-run"
+    if "run.output_dir" not in set_keys:  # the file's shared storage may not exist here
+        data["run"]["output_dir"] = DRY_RUN_OUTPUT_DIR
+        notes.append(f"run.output_dir -> {DRY_RUN_OUTPUT_DIR!r} (checkpoints hold no weights "
+                     f"in a dry run; pass --set run.output_dir=DIR to change)")
     if "run.max_steps" not in set_keys and cfg.run.max_steps > DRY_RUN_MAX_STEPS:
         notes.append(f"run.max_steps {cfg.run.max_steps} -> {DRY_RUN_MAX_STEPS} (pass --set "
                      f"run.max_steps=N to change)")

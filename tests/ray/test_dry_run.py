@@ -45,4 +45,5 @@ def test_dry_run_caps_steps_and_speeds_up_time_unless_set():
     cfg, notes = dry_run_config(load_config("cluster_configs/three_node.toml", []), [])
     assert cfg.run.max_steps == 10 and cfg.synthetic.time_scale == 0.1
     assert cfg.cluster.cpu_engines == 8 and cfg.cluster.trainer_workers == 8
-    assert cfg.wandb.mode == "disabled" and len(notes) == 3
+    assert cfg.wandb.mode == "disabled" and len(notes) == 4
+    assert cfg.run.output_dir == "runs/dry-run"  # not the file's shared storage

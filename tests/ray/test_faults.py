@@ -15,8 +15,10 @@ from test_end_to_end import assert_ledger_closed, small
 
 pytestmark = pytest.mark.ray
 
-FT = ["engine.health_check_interval_s=1", "engine.health_check_timeout_s=3",
-      "cluster.cpu_engines=2", "cluster.engine_cpus=0.5"]
+FT = ["engine.health_check_interval_s=1", "engine.health_check_timeout_s=10",
+      "cluster.cpu_engines=2", "cluster.engine_cpus=0.5",
+      # a broadcast stuck on a hung engine errors after timeout_s / 3 and is redone
+      "publication.drain_timeout_s=5", "publication.timeout_s=45"]
 
 
 def start(cfg, report):
