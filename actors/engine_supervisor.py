@@ -88,7 +88,7 @@ class EngineSupervisor:
         fleet = self.fleet
         fleet.down.add(i)
         await fleet.bounded(fleet.producer.engine_down.remote(i), "producer.engine_down")
-        fleet.fault_log.append({"engine": i, "cause": cause, "at": time.time()})
+        fleet.fault_log.append({"engine": i, "cause": quote(cause, 300), "at": time.time()})
         print(f"[rl-async] engine-{i} is out of routing: {cause}; restarting it", flush=True)
         try:
             self.restarts.record(i, cause)

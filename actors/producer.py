@@ -65,6 +65,7 @@ class ProducerActor:
                 ref_of(g), err),
             group_errors=(EngineError, RewardError),
             next_groups=self._call(source, "prompt source", "next_groups"),
+            engine_ready=self._engine_ready,
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
             **({"filter_group": zero_variance,
@@ -87,16 +88,14 @@ class ProducerActor:
                 raise ActorDied(f"the {role} actor died during {method}: {exc}") from None
         return call
 
-    async def _pick(self, group_id: str, cost: int) -> int:
-        """An engine in routing; while every engine is down (restarts under way), wait."""
-        while True:
-            try:
-                return self.router.pick(group_id, cost)
-            except NoHealthyEngine:
-                if self._failed.is_set():
-                    raise RunStopped(self._fail_message) from None
-                self._routable.clear()
-                await self._routable.wait()
+    async def _engine_ready(self) -> None:
+        """While every engine is down (restarts under way), wait for one (the core waits
+        here before a sample counts as in flight)."""
+        while not self.router.any_healthy:
+            if self._failed.is_set():
+                raise RunStopped(self._fail_message)
+            self._routable.clear()
+            await self._routable.wait()
 
     async def _generate(self, sample: Sample, group_id: str, params=None) -> GenerateOutput:
         """One request. A transient failure (a dead engine under fault tolerance, a reset
@@ -104,7 +103,11 @@ class ProducerActor:
         is regenerated from the original prompt; a malformed request fails the group."""
         params = params or self.sampling
         cost = len(sample.prompt_ids) + params.max_new_tokens
-        index = await self._pick(group_id, cost)
+        try:
+            index = self.router.pick(group_id, cost)
+        except NoHealthyEngine:  # went down since _engine_ready (or an eval request)
+            await self._engine_ready()
+            index = self.router.pick(group_id, cost)
         try:
             return await self.gen_batchers[index].submit((sample.prompt_ids, params))
         except ActorDied:  # the engine's stream broke: the actor died

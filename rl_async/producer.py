@@ -90,7 +90,8 @@ class Producer:
                  on_filtered: Callable[[Group, str], Awaitable[None]] | None = None,
                  failure_budget: FailureBudget | None = None,
                  next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
-                 max_fetch_groups: int = 8):
+                 max_fetch_groups: int = 8,
+                 engine_ready: Callable[[], Awaitable[None]] | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -102,6 +103,7 @@ class Producer:
             raise ValueError("Producer: pass both filter_group and on_filtered, or neither")
         self._filter_group, self._on_filtered = filter_group, on_filtered
         self._budget_of_failures = failure_budget
+        self._engine_ready = engine_ready
         # Opening groups k at a time saves k - 1 round trips to the prompt source; k never
         # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
         # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
@@ -317,8 +319,16 @@ class Producer:
         async with self._gen_sem:
             # Re-check the gate after getting a permit: a publication may have started while
             # this sample waited, and no request may reach an engine during the transfer.
-            while not self._gen_gate.is_set():
-                await self._gen_gate.wait()
+            # With every engine down (fault tolerance), wait for one here, NOT counted in
+            # flight: a publication's drain must not wait for requests that no engine holds
+            # (the replacement gets its weights from that very publication).
+            while True:
+                while not self._gen_gate.is_set():
+                    await self._gen_gate.wait()
+                if self._engine_ready is not None:
+                    await self._engine_ready()
+                if self._gen_gate.is_set():
+                    break
             self._samples_in_flight += 1
             self._gen_idle.clear()
             self.stats.submitted_samples += 1
