@@ -23,6 +23,16 @@ class InvalidRequestError(EngineError):
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def check_request(input_ids, params) -> None:
+    """The checks every backend makes on a request before queueing it."""
+    if not isinstance(params, SamplingParams):
+        raise InvalidRequestError(f"sampling_params = {params!r}: must be a SamplingParams")
+    params.validate()
+    if not isinstance(input_ids, (list, tuple)) or not input_ids:
+        raise InvalidRequestError(f"input_ids = {input_ids!r}: must be a non-empty list "
+                                  "of token ids")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings. `validate()` raises `InvalidRequestError` naming the field."""

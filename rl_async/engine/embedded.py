@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
+from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.kv_batch import KVBatch, decode, prefill
 from rl_async.engine.models import build_causal_lm, resolve_dtype
@@ -142,12 +142,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
 
     def _validate(self, input_ids: list[int], params: SamplingParams,
                   request_id: str | None) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params = {params!r}: must be a SamplingParams")
-        params.validate()
-        if not isinstance(input_ids, (list, tuple)) or not input_ids:
-            raise InvalidRequestError(f"input_ids = {input_ids!r}: must be a non-empty list "
-                                      "of token ids")
+        check_request(input_ids, params)
         if len(input_ids) > self.max_prompt_len:
             raise InvalidRequestError(
                 f"input_ids: prompt length {len(input_ids)} exceeds max_prompt_len = "

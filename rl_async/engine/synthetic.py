@@ -41,7 +41,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
+from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.timing import EngineTiming, ResponseLengths, TransferTiming
 
@@ -154,12 +154,7 @@ class SyntheticEngine(Engine):
     def submit(self, input_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> _Request:
         """Queue one request; its `future` resolves to the GenerateOutput (for batch callers)."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling_params = {params!r}: must be a SamplingParams")
-        params.validate()
-        if not isinstance(input_ids, (list, tuple)) or not input_ids:
-            raise InvalidRequestError(f"input_ids = {input_ids!r}: must be a non-empty list "
-                                      "of token ids")
+        check_request(input_ids, params)
         if request_id is not None and request_id in self._requests:
             raise InvalidRequestError(f"request_id = {request_id!r}: already in flight")
         if self._closed:
