@@ -32,7 +32,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             max_total_tokens=cfg.engine.max_total_tokens,
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
             # a resumed run continues with fresh randomness, not the start's stream again
-            sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version))
+            sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
+            batch_invariant=cfg.run.deterministic))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang
@@ -43,7 +44,11 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         speculative_algorithm=s.speculative_algorithm,
         disaggregation_mode=s.disaggregation_mode,
-        server_args={"dtype": cfg.model.dtype, **s.extra_args},
+        # run.deterministic: SGLang's batch-invariant kernels (and its per-request
+        # sampling_seed then gives bit-exact tokens across runs), at a throughput cost.
+        server_args={"dtype": cfg.model.dtype,
+                     **({"enable_deterministic_inference": True} if cfg.run.deterministic
+                        else {}), **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 
 

@@ -24,6 +24,7 @@ from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
 from actors.trainer import PUBLICATION_GROUP, TrainerWorker
 from rl_async import checkpoints as ckpts
+from rl_async import rollouts
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.loop_monitor import LoopMonitor, aggregate
@@ -123,22 +124,7 @@ class RayFleet(FleetPublication):
         self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
                                    "cluster.inference_gpus / cluster.cpu_engines"))
         self.engines = [self.start_engine(i) for i in range(plan.engines)]
-        tgpu = c.trainer_gpus > 0
-        trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
-        self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
-                                   "cluster.trainer_workers / cluster.trainer_gpus"))
-        trainer_cls = TrainerWorker
-        if cfg.train.backend == "synthetic":  # dry runs: no torch, no GPUs
-            from actors.synthetic import SyntheticTrainerWorker as trainer_cls
-        self.trainers = [self._named(trainer_cls, f"trainer-{r}", cfg, plan, r,
-                                     c.trainer_workers, pg=self.pgs[-1], bundle=r,
-                                     num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
-                                     # CPU: two threads, so a publication's broadcast can
-                                     # run while the next collection trains. GPU: one, so
-                                     # NCCL collectives of two communicators never run
-                                     # concurrently on one device (publication_overlaps_training)
-                                     max_concurrency=1 if tgpu else 2)
-                         for r in range(c.trainer_workers)]
+        self.place_trainers()
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
                                   max_concurrency=1)
@@ -150,11 +136,7 @@ class RayFleet(FleetPublication):
         self.producer = self._named(ProducerActor, "producer", cfg, plan, self.source,
                                     self.engines, self.reward, self.buffer, num_cpus=0)
         await asyncio.gather(*(e.start.remote() for e in self.engines))
-        addr, port = await self.trainers[0].address.remote()
-        await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
-        self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
-        reporters = await asyncio.gather(*(t.reports_metrics.remote() for t in self.trainers))
-        self.metrics_rank = metrics_rank(reporters)
+        await self.setup_trainers()
         version = 0
         if self.resume is not None:  # trainer state and ledger, before any generation
             r = self.resume
@@ -172,6 +154,35 @@ class RayFleet(FleetPublication):
         if cfg.fault_tolerance:
             self.supervisor = EngineSupervisor(self)
             self.supervisor.start()
+
+    def place_trainers(self) -> None:
+        """The trainer group's actors in their placement group (a run, and `rl-async replay`,
+        which re-trains recorded collections on the same layout)."""
+        cfg, c = self.cfg, self.cfg.cluster
+        tgpu = c.trainer_gpus > 0
+        trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
+        self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
+                                   "cluster.trainer_workers / cluster.trainer_gpus"))
+        trainer_cls = TrainerWorker
+        if cfg.train.backend == "synthetic":  # dry runs: no torch, no GPUs
+            from actors.synthetic import SyntheticTrainerWorker as trainer_cls
+        self.trainers = [self._named(trainer_cls, f"trainer-{r}", cfg, self.plan, r,
+                                     c.trainer_workers, pg=self.pgs[-1], bundle=r,
+                                     num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
+                                     # CPU: two threads, so a publication's broadcast can
+                                     # run while the next collection trains. GPU: one, so
+                                     # NCCL collectives of two communicators never run
+                                     # concurrently on one device (publication_overlaps_training)
+                                     max_concurrency=1 if tgpu else 2)
+                         for r in range(c.trainer_workers)]
+
+    async def setup_trainers(self) -> None:
+        """Form the trainers' process group; learn each rank's data-parallel shard."""
+        addr, port = await self.trainers[0].address.remote()
+        await asyncio.gather(*(t.setup.remote(addr, port) for t in self.trainers))
+        self.dp_ranks = await asyncio.gather(*(t.data_parallel_rank.remote() for t in self.trainers))
+        reporters = await asyncio.gather(*(t.reports_metrics.remote() for t in self.trainers))
+        self.metrics_rank = metrics_rank(reporters)
 
     async def _start_judge(self) -> None:
         from actors.judges import deploy_judge  # imports Ray Serve only when judging
@@ -276,6 +287,9 @@ class RayFleet(FleetPublication):
     async def record_trained(self, step: int, version: int, groups: list[Group]) -> None:
         ckpts.append_trained(self.run_dir, step, version, [
             (g.group_id, g.attempt, g.oldest_version()) for g in groups])
+        if self.cfg.run.record_rollouts:  # for `rl-async replay` (rl_async/rollouts.py)
+            await asyncio.to_thread(rollouts.write_collection, self.run_dir, step, version,
+                                    groups)
 
     async def metrics(self) -> dict[str, float]:
         parts = await self.bounded(asyncio.gather(

@@ -8,6 +8,7 @@ is fatal for `run()` (with the actor named); a bad request or reward fails only 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import ray
 from ray.exceptions import RayActorError
@@ -24,6 +25,7 @@ from rl_async.loop_monitor import LoopMonitor
 from rl_async.producer import Producer, ProducerLimits, zero_variance
 from rl_async.rewards import backoff_s
 from rl_async.rewards import RewardError
+from rl_async.seeding import eval_seed
 from rl_async.tasks import stop_token_ids
 from rl_async.types import Sample
 
@@ -68,6 +70,7 @@ class ProducerActor:
             engine_ready=self._engine_ready,
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
+            seed=cfg.run.seed,
             **({"filter_group": zero_variance,
                 "on_filtered": lambda g, reason: self._call(source, "prompt source",
                                                             "mark_filtered")(ref_of(g), reason)}
@@ -102,6 +105,8 @@ class ProducerActor:
         connection, an HTTP 5xx, a timeout) aborts the sample after a backoff, so its group
         is regenerated from the original prompt; a malformed request fails the group."""
         params = params or self.sampling
+        if sample.seed is not None:
+            params = dataclasses.replace(params, seed=sample.seed)
         cost = len(sample.prompt_ids) + params.max_new_tokens
         try:
             index = self.router.pick(group_id, cost)
@@ -217,21 +222,25 @@ class ProducerActor:
         first = sampling_params(self.cfg, greedy=self.cfg.eval.greedy)
         k = self.cfg.eval.n_samples
 
-        async def one(tag: str, p, params) -> float:
+        async def one(tag: str, p, params, seed: int | None) -> float:
             sample = Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
-                            metadata=dict(p.metadata))
+                            metadata=dict(p.metadata), seed=seed)
             out = await self._generate(sample, tag, params)
             while out.finish_reason == "abort":  # an engine failed under it: ask again
                 out = await self._generate(sample, tag, params)
             sample.response_ids = list(out.output_ids)
             return await self._call(self.reward, "reward", "score")(sample)
 
+        seed = self.cfg.run.seed
+
         async def k_samples(i: int, p) -> list[float]:
-            return list(await asyncio.gather(*(one(f"eval{i}", p, self.sampling)
-                                               for _ in range(k))))
+            return list(await asyncio.gather(*(one(f"eval{i}", p, self.sampling,
+                                                   eval_seed(seed, i, 1 + j))
+                                               for j in range(k))))
 
         firsts, *sampled = await asyncio.gather(
-            asyncio.gather(*(one(f"eval{i}", p, first) for i, p in enumerate(prompts))),
+            asyncio.gather(*(one(f"eval{i}", p, first, eval_seed(seed, i, 0))
+                             for i, p in enumerate(prompts))),
             *(k_samples(i, p) for i, p in enumerate(prompts) if k))
         return eval_metrics(list(firsts), sampled)
 

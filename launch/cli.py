@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run | prepare-model | export`.
+"""`rl-async plan | validate | run | prepare-model | export | replay`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -140,6 +140,25 @@ def export_cmd(checkpoint: str, out: str, dtype: str) -> None:
     from rl_async.hf_export import export_checkpoint
 
     click.echo(str(export_checkpoint(checkpoint, out, dtype)))
+
+
+@main.command(name="replay")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Where the replayed export goes (default: a temporary directory).")
+def replay_cmd(run_dir: str, out: str | None) -> None:
+    """Re-train RUN_DIR's recorded collections (run.record_rollouts = true) on a fresh trainer
+    group and compare the weights with the run's latest checkpoint, bit for bit. Prints one
+    JSON line; exits 1 when they differ."""
+    from launch.replay import replay
+    from rl_async.rollouts import ReplayError
+
+    try:
+        result = replay(run_dir, out)
+    except ReplayError as exc:
+        _fail([str(exc)])
+    click.echo(json.dumps(result))
+    sys.exit(0 if result["identical"] else 1)
 
 
 def _dry_run(cfg: RunConfig, overrides: tuple[str, ...]) -> tuple[RunConfig, Report]:

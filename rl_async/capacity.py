@@ -150,8 +150,9 @@ def capacity_warnings(p: CapacityPlan) -> list[Warning_]:
         w.append(Warning_("BUFFER_SMALLER_THAN_COLLECTION", (
             f"completed buffer {p.completed_buffer_groups} groups < rollout_batch_size "
             f"{p.rollout_batch_size}: a collection can never be fully buffered")))
-    # The age budget only means something when generation may run ahead of training.
-    if p.fully_async:
+    # The age budget only means something when generation may run ahead of training (at
+    # lag 0 the producer opens one collection per version, as in sync mode).
+    if p.fully_async and p.max_weight_staleness > 0:
         if p.completed_buffer_samples / p.global_batch_size > p.max_weight_staleness:
             w.append(Warning_("BUFFER_EXCEEDS_AGE_BUDGET", (
                 f"the buffer spans {p.completed_buffer_samples / p.global_batch_size:g} optimizer "

@@ -42,6 +42,15 @@ class RunSection(Section):
     # failure_window_groups groups failed (a few always-failing prompts never stop a run).
     max_failed_group_fraction: float = Field(0.5, gt=0, le=1)
     failure_window_groups: PositiveInt = 100
+    # Bit-reproducible runs where the hardware allows (README "Reproducibility"): embedded
+    # engines decode batch-invariantly (one forward per request, so a request's tokens and
+    # log-probs never depend on what shares its step). Sampling seeds, canonical collection
+    # order and lag-0 = sync hold without it.
+    deterministic: bool = False
+    # Write every trained collection (tokens, log-probs, versions, rewards) to
+    # <run dir>/rollouts/ so `rl-async replay RUN_DIR` can re-train it; about
+    # (prompt + response) x 3 numbers per sample per step, gzipped.
+    record_rollouts: bool = False
 
 
 class ClusterSection(Section):

@@ -90,6 +90,22 @@ def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
     return cfg.fully_async and plan.max_weight_staleness >= 1 and not cfg.cluster.trainer_gpus
 
 
+def generates_per_collection(cfg: RunConfig, plan: CapacityPlan) -> bool:
+    """Whether the producer opens exactly one collection's groups per policy version.
+
+    Synchronous runs, and async runs at lag 0: a group sampled ahead at lag 0 could only be
+    discarded (its version is gone by the time it is dequeued) and re-attempted with fresh
+    randomness, so the producer opens only what the current version will train. Lag 0 then
+    equals sync by construction (same prompts, same versions, same seeds, same tokens)."""
+    return not cfg.fully_async or plan.max_weight_staleness == 0
+
+
+def canonical_order(groups: list[Group]) -> list[Group]:
+    """A collection in (prompt cursor, attempt) order, not completion order: micro-batches and
+    data-parallel shards (groups[rank::world]) are then functions of the data alone."""
+    return sorted(groups, key=lambda g: (g.cursor, g.attempt))
+
+
 class Controller:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
                  log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0,
@@ -139,10 +155,10 @@ class Controller:
 
     async def _one_collection(self) -> None:
         p = self.progress
-        if not self.cfg.fully_async:
+        if generates_per_collection(self.cfg, self.plan):
             await self.fleet.producer_set_target(self.plan.rollout_batch_size)
         wait_start = time.monotonic()
-        groups = await self._get_collection()
+        groups = canonical_order(await self._get_collection())
         wait = time.monotonic() - wait_start
         train_start = time.monotonic()
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),

@@ -54,9 +54,11 @@ class _Prompt:
     state: str  # IN_FLIGHT, BUFFERED or RETRY
 
 
-def _fresh(original: Group, attempt: int) -> Group:
-    """A new attempt of the original prompt: no tokens, log-probs, versions or routes."""
-    return original.fresh_attempt().replace(attempt=attempt)
+def _fresh(original: Group, attempt: int, cursor: int | None = None) -> Group:
+    """A new attempt of the original prompt: no tokens, log-probs, versions or routes. The
+    cursor rides along: with the attempt it seeds the group's sampling (rl_async.seeding)."""
+    return original.fresh_attempt().replace(
+        attempt=attempt, cursor=original.cursor if cursor is None else cursor)
 
 
 class PromptLedger:
@@ -153,7 +155,7 @@ class PromptLedger:
                 f"still outstanding from cursor {self._prompts[group.group_id].cursor}; group ids "
                 f"must be unique per cursor (e.g. include the cursor or epoch in the id)"
             )
-        prompt = _Prompt(self._cursor, _fresh(group, 0), 0, IN_FLIGHT)
+        prompt = _Prompt(self._cursor, _fresh(group, 0, self._cursor), 0, IN_FLIGHT)
         self._prompts[group.group_id] = prompt
         self._cursor += 1
         return prompt
@@ -324,6 +326,7 @@ class PromptLedger:
                 f"load_state_dict: prompt_factory({entry['cursor']}) gave group_id {got!r} but "
                 f"the checkpoint has {entry['group_id']!r}; the prompt source must be "
                 f"deterministic (same data, seed and order) to resume")
-        prompt = _Prompt(int(entry["cursor"]), _fresh(group, 0), int(entry["attempt"]), RETRY)
+        cursor = int(entry["cursor"])
+        prompt = _Prompt(cursor, _fresh(group, 0, cursor), int(entry["attempt"]), RETRY)
         self._prompts[group.group_id] = prompt
         return prompt

@@ -31,6 +31,7 @@ from typing import Awaitable, Callable
 
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.faults import FailureBudget
+from rl_async.seeding import sample_seed
 from rl_async.types import Group, Sample
 
 
@@ -91,7 +92,8 @@ class Producer:
                  failure_budget: FailureBudget | None = None,
                  next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
                  max_fetch_groups: int = 8,
-                 engine_ready: Callable[[], Awaitable[None]] | None = None):
+                 engine_ready: Callable[[], Awaitable[None]] | None = None,
+                 seed: int | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -104,6 +106,9 @@ class Producer:
         self._filter_group, self._on_filtered = filter_group, on_filtered
         self._budget_of_failures = failure_budget
         self._engine_ready = engine_ready
+        # With a run seed, every sample carries its own sampling seed (rl_async.seeding), so
+        # its tokens do not depend on arrival order; None leaves it to the engine's stream.
+        self._seed = seed
         # Opening groups k at a time saves k - 1 round trips to the prompt source; k never
         # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
         # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
@@ -307,6 +312,9 @@ class Producer:
         sample = og.group.samples[index]
         try:
             if not (og.aborted or og.error):
+                if self._seed is not None:
+                    g = og.group
+                    sample.seed = sample_seed(self._seed, g.cursor, g.attempt, index)
                 await self._generate_sample(og, sample)
             if not (og.aborted or og.error):
                 sample.reward = await self._score(sample)

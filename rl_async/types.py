@@ -33,6 +33,9 @@ class Sample:
     finish_reason: str = ""
     # Free-form task data (e.g. the expected answer) carried from the prompt source to reward.
     metadata: dict[str, Any] = field(default_factory=dict)
+    # The sampling seed this attempt was generated with (rl_async.seeding); None = the
+    # engine's own stream (arrival order).
+    seed: int | None = None
 
     @property
     def response_len(self) -> int:
@@ -56,12 +59,16 @@ class Group:
     """The `n_samples_per_prompt` responses to one prompt: the unit of buffering and training.
 
     `group_id` names the prompt (stable across retries); `attempt` counts regenerations from
-    the original prompt. `arrival_seq` is assigned by the completed buffer on insertion.
+    the original prompt; `cursor` is the prompt's position in the source (set by the ledger;
+    -1 = not issued by one). (cursor, attempt) orders a collection canonically and, with the
+    run seed and a sample's index, seeds its sampling. `arrival_seq` is assigned by the
+    completed buffer on insertion.
     """
 
     group_id: str
     samples: list[Sample]
     attempt: int = 0
+    cursor: int = -1
     arrival_seq: int = -1
     # Filled in when the group is delivered: its age at dequeue (None = unknown).
     age_at_delivery: int | None = None
@@ -110,6 +117,7 @@ class Group:
             group_id=self.group_id,
             samples=[s.fresh_copy() for s in self.samples],
             attempt=self.attempt + 1,
+            cursor=self.cursor,
         )
 
     def replace(self, **changes: Any) -> Group:

@@ -46,7 +46,8 @@ import torch
 
 from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
-from rl_async.engine.kv_batch import KVBatch, decode, prefill
+from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
+                                      prefill_isolated)
 from rl_async.engine.models import build_causal_lm, resolve_dtype
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
 from rl_async.engine.scheduler import Request, Scheduler
@@ -71,6 +72,9 @@ class EmbeddedEngineConfig:
     torch_threads: int | None = None  # None -> leave torch's setting alone
     sampling_seed: int = 0  # seeds requests whose SamplingParams.seed is None
     forward_in_thread: bool = True  # False: forwards block the loop (benchmarks, debugging)
+    # One forward (and one draw) per request: its tokens and log-probs are those it gets alone,
+    # whatever shares its step (run.deterministic; costs throughput, README "Reproducibility").
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if (self.hf_config is None) == (self.path is None):
@@ -338,9 +342,11 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
     def _compute(self, admitted: list[Request]) -> list[Request]:
         """One step in the worker thread: prefill the admitted, decode everyone, sample."""
         finished: list[Request] = []
+        isolated = self.config.batch_invariant
         with torch.inference_mode():
             if admitted:
-                new_batch, logits_BV = prefill(self.model, admitted, self.device)
+                new_batch, logits_BV = (prefill_isolated if isolated else prefill)(
+                    self.model, admitted, self.device)
                 for request in admitted:
                     if request.output_ids:  # a rebuilt prefix: the mixed-policy refresh
                         request.refreshes += 1
@@ -348,13 +354,28 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 new_batch = self._sample(new_batch, logits_BV, finished)
                 self._batch = KVBatch.merge(self._batch, new_batch)
             if self._batch is not None:
-                logits_BV = decode(self.model, self._batch)
+                logits_BV = (decode_isolated if isolated else decode)(self.model, self._batch)
                 self._batch = self._sample(self._batch, logits_BV, finished)
         return finished
 
     def _sample(self, batch: KVBatch, logits_BV: torch.Tensor,
                 finished: list[Request]) -> KVBatch | None:
         rows = batch.requests
+        if self.config.batch_invariant:  # one row per call: no kernel sees a batch-mate
+            drawn = [self._draw(rows[i:i + 1], logits_BV[i:i + 1]) for i in range(len(rows))]
+            tokens, logprobs = [t for d in drawn for t in d[0]], [lp for d in drawn for lp in d[1]]
+        else:
+            tokens, logprobs = self._draw(rows, logits_BV)
+        keep = []
+        for i, (request, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+            if request.record(token, logprob, self._version):
+                finished.append(request)
+            else:
+                keep.append(i)
+        return batch.select(keep)
+
+    @staticmethod
+    def _draw(rows: list[Request], logits_BV: torch.Tensor) -> tuple[list[int], list[float]]:
         params = [r.params for r in rows]
         device = logits_BV.device
         tokens_B, logprobs_B = sample_tokens(
@@ -363,11 +384,4 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
             draw_uniforms([r.generator for r in rows]))
-        keep = []
-        for i, (request, token, logprob) in enumerate(zip(rows, tokens_B.tolist(),
-                                                          logprobs_B.tolist())):
-            if request.record(token, logprob, self._version):
-                finished.append(request)
-            else:
-                keep.append(i)
-        return batch.select(keep)
+        return tokens_B.tolist(), logprobs_B.tolist()

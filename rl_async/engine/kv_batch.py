@@ -116,3 +116,40 @@ def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
                 use_cache=True, **{_cache_kwarg(model): batch.cache})
     batch.mask_BL = mask_BL
     return out.logits[:, -1]
+
+
+def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device
+                     ) -> tuple[KVBatch, torch.Tensor]:
+    """`prefill`, one request per forward: each row's numbers are those of the request alone
+    (no padding, batch of one), whatever else is admitted with it. The batch-invariant mode."""
+    parts = [prefill(model, [r], device) for r in requests]
+    batch = None
+    for part, _ in parts:
+        batch = KVBatch.merge(batch, part)
+    return batch, torch.cat([logits for _, logits in parts])
+
+
+def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
+    """`decode`, one row per forward over that row's own KV (its real suffix of the padded
+    cache, so a batch of one with no padding): a request's logits do not depend on which other
+    requests share the step. Costs one forward per row (engine.batch_invariant, README)."""
+    length = batch.mask_BL.shape[1]
+    logits, new_kv = [], []
+    for row, request in enumerate(batch.requests):
+        real = int(batch.mask_BL[row].sum())
+        start = length - real  # left padding: the real positions are a suffix of the row
+        cache = DynamicCache([(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
+                              for k, v in batch.kv()])
+        device = batch.mask_BL.device
+        out = model(input_ids=torch.tensor([[request.output_ids[-1]]], device=device),
+                    attention_mask=torch.ones((1, real + 1), dtype=torch.long, device=device),
+                    position_ids=torch.tensor([[real]], device=device),
+                    use_cache=True, **{_cache_kwarg(model): cache})
+        logits.append(out.logits[:, -1])
+        new_kv.append([(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers])
+    for i, layer in enumerate(batch.cache.layers):
+        layer.keys = torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2)
+        layer.values = torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2)
+    batch.mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)],
+                              dim=1)
+    return torch.cat(logits)

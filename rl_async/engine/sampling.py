@@ -37,11 +37,13 @@ def sample_tokens(logits_BV: torch.Tensor, temperature_B: torch.Tensor, top_p_B:
     greedy_B = temperature_B <= 0
     safe_temp_B = torch.where(greedy_B, torch.ones_like(temperature_B), temperature_B)
     logprobs_BV = torch.log_softmax(logits_BV / safe_temp_B[:, None], dim=-1)
-    truncate = bool(((top_k_B > 0) | (top_p_B < 1)).any())
-    if truncate:
-        tokens_B = _sample_truncated(logprobs_BV, top_p_B, top_k_B, uniform_B)
-    else:
-        tokens_B = _inverse_cdf(logprobs_BV.double().exp(), uniform_B)
+    # Decided per row: a row without truncation draws from the unsorted CDF whatever the other
+    # rows ask for, so a seeded request's tokens never depend on its batch-mates' settings.
+    tokens_B = _inverse_cdf(logprobs_BV.double().exp(), uniform_B)
+    rows = ((top_k_B > 0) | (top_p_B < 1)).nonzero().squeeze(1)  # on the logits' device
+    if len(rows):
+        tokens_B[rows] = _sample_truncated(logprobs_BV[rows], top_p_B[rows], top_k_B[rows],
+                                           uniform_B[rows.cpu()])
     tokens_B = torch.where(greedy_B, logits_BV.argmax(dim=-1), tokens_B)
     return tokens_B, logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
