@@ -41,8 +41,9 @@ def write_collection(run_dir: str | os.PathLike, step: int, version: int,
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     record = {"step": step, "trained_at_version": version,
               "groups": [dataclasses.asdict(g) for g in groups]}
-    # mtime=0: the same collection gives the same bytes (two runs' recordings can be diffed)
-    with gzip.GzipFile(tmp, "wb", mtime=0) as f:
+    # No name, mtime 0: the same collection gives the same bytes (recordings can be diffed)
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw,
+                                               mtime=0) as f:
         f.write(json.dumps(record, default=repr).encode())
     os.replace(tmp, path)
     return path

@@ -56,3 +56,17 @@ def read_run(path: str | Path) -> tuple[set[str], set[str], int]:
         elif kind == "config":
             config |= {i.key or "/".join(i.nested_key) for i in rec.config.update}
     return history, config, rows
+
+
+def history_rows(path: str | Path) -> list[dict[str, str]]:
+    """Every history row as {metric name: its JSON-encoded value} (exact, as logged)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows = []
+    for raw in raw_records(path):
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): i.value_json
+                         for i in rec.history.item})
+    return rows
