@@ -7,7 +7,9 @@ static batch runs until its longest request; both sides are credited ONLY with u
 stop tokens are disabled on both sides so lengths are exactly the drawn ones.
 
     python benchmarks/engine_throughput.py --json
-prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}.
+prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}, and
+the same engine in batch-invariant mode (run.deterministic): "batch_invariant_fraction" is the
+throughput it keeps, "batch_invariant_vs_hf" its ratio to HF generate.
 """
 
 from __future__ import annotations
@@ -85,12 +87,23 @@ def main() -> None:
     asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
     run_hf_generate(engine.model, [(p, 4) for p, _ in warm], args.batch)
 
+    # run.deterministic: the same engine decoding batch-invariantly (one forward per row).
+    invariant = EmbeddedEngine(EmbeddedEngineConfig(
+        hf_config=hf_config, max_running_requests=args.batch, torch_threads=args.threads,
+        batch_invariant=True))
+    asyncio.run(run_embedded(invariant, [(p, 4) for p, _ in warm]))
+
     emb_s, emb_tokens = asyncio.run(run_embedded(engine, work))
     hf_s, hf_tokens, hf_computed = run_hf_generate(engine.model, work, args.batch)
+    inv_s, inv_tokens = asyncio.run(run_embedded(invariant, work))
     result = {
         "embedded_tokens_per_s": round(emb_tokens / emb_s, 1),
         "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
         "ratio": round((emb_tokens / emb_s) / (hf_tokens / hf_s), 3),
+        "batch_invariant_tokens_per_s": round(inv_tokens / inv_s, 1),
+        # throughput kept by run.deterministic, and its standing against HF generate
+        "batch_invariant_fraction": round((inv_tokens / inv_s) / (emb_tokens / emb_s), 3),
+        "batch_invariant_vs_hf": round((inv_tokens / inv_s) / (hf_tokens / hf_s), 3),
         "useful_tokens": emb_tokens,
         "hf_useful_tokens": hf_tokens,
         "hf_computed_tokens": hf_computed,

@@ -151,11 +151,12 @@ def replay_cmd(run_dir: str, out: str | None) -> None:
     group and compare the weights with the run's latest checkpoint, bit for bit. Prints one
     JSON line; exits 1 when they differ."""
     from launch.replay import replay
+    from rl_async.checkpoints import ResumeError
     from rl_async.rollouts import ReplayError
 
     try:
         result = replay(run_dir, out)
-    except ReplayError as exc:
+    except (ReplayError, ResumeError) as exc:
         _fail([str(exc)])
     click.echo(json.dumps(result))
     sys.exit(0 if result["identical"] else 1)

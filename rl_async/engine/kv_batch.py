@@ -121,32 +121,48 @@ def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
 def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device
                      ) -> tuple[KVBatch, torch.Tensor]:
     """`prefill`, one request per forward: each row's numbers are those of the request alone
-    (no padding, batch of one), whatever else is admitted with it. The batch-invariant mode."""
-    parts = [prefill(model, [r], device) for r in requests]
-    batch = None
-    for part, _ in parts:
-        batch = KVBatch.merge(batch, part)
-    return batch, torch.cat([logits for _, logits in parts])
+    (no padding, batch of one), whatever else is admitted with it. The batch-invariant mode.
+    Requests with the same prefix share one forward: identical inputs through the identical
+    computation give identical bits (a group's samples share their prompt)."""
+    done: dict[tuple[int, ...], tuple[KVBatch, torch.Tensor]] = {}
+    batch, logits = None, []
+    for request in requests:
+        key = tuple(request.prefix())
+        if key not in done:
+            done[key] = prefill(model, [request], device)
+        part, row_logits = done[key]
+        request.prefill_len = len(key)
+        batch = KVBatch.merge(batch, KVBatch(part.cache, part.mask_BL, [request]))
+        logits.append(row_logits)
+    return batch, torch.cat(logits)
 
 
 def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
     """`decode`, one row per forward over that row's own KV (its real suffix of the padded
     cache, so a batch of one with no padding): a request's logits do not depend on which other
-    requests share the step. Costs one forward per row (engine.batch_invariant, README)."""
+    requests share the step. Costs one forward per distinct row (engine.batch_invariant,
+    README): rows with the same tokens whose KV came from the same computation (same prefill
+    length, then the same isolated decodes) share one forward."""
     length = batch.mask_BL.shape[1]
+    device = batch.mask_BL.device
+    done: dict[tuple, tuple[torch.Tensor, list]] = {}
     logits, new_kv = [], []
     for row, request in enumerate(batch.requests):
-        real = int(batch.mask_BL[row].sum())
-        start = length - real  # left padding: the real positions are a suffix of the row
-        cache = DynamicCache([(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
-                              for k, v in batch.kv()])
-        device = batch.mask_BL.device
-        out = model(input_ids=torch.tensor([[request.output_ids[-1]]], device=device),
-                    attention_mask=torch.ones((1, real + 1), dtype=torch.long, device=device),
-                    position_ids=torch.tensor([[real]], device=device),
-                    use_cache=True, **{_cache_kwarg(model): cache})
-        logits.append(out.logits[:, -1])
-        new_kv.append([(layer.keys[:, :, -1:], layer.values[:, :, -1:]) for layer in cache.layers])
+        key = (request.prefill_len, tuple(request.prefix()))
+        if key not in done:
+            real = int(batch.mask_BL[row].sum())
+            start = length - real  # left padding: the real positions are a suffix of the row
+            cache = DynamicCache([(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
+                                  for k, v in batch.kv()])
+            out = model(input_ids=torch.tensor([[request.output_ids[-1]]], device=device),
+                        attention_mask=torch.ones((1, real + 1), dtype=torch.long,
+                                                  device=device),
+                        position_ids=torch.tensor([[real]], device=device),
+                        use_cache=True, **{_cache_kwarg(model): cache})
+            done[key] = (out.logits[:, -1], [(layer.keys[:, :, -1:], layer.values[:, :, -1:])
+                                             for layer in cache.layers])
+        logits.append(done[key][0])
+        new_kv.append(done[key][1])
     for i, layer in enumerate(batch.cache.layers):
         layer.keys = torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2)
         layer.values = torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2)

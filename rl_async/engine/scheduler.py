@@ -38,6 +38,9 @@ class Request:
     token_versions: list[int] = field(default_factory=list)
     refreshes: int = 0
     finish_reason: str | None = None
+    # Tokens in the last prefill that built this request's KV (batch-invariant mode: rows
+    # with the same tokens AND the same prefill length hold bit-identical KV).
+    prefill_len: int = 0
 
     @property
     def reserved_tokens(self) -> int:

@@ -87,3 +87,20 @@ def test_plan_on_invalid_file_exits_two(tmp_path):
     out = cli("plan", str(f), "--json")
     assert out.returncode == 2
     assert "async.max_weight_staleness = 1" in out.stderr and "miles.max_weight_staleness = 2" in out.stderr
+
+
+def test_replay_names_what_is_missing(tmp_path):
+    out = cli("replay", str(tmp_path))
+    assert out.returncode == 2 and "not a complete checkpoint" in out.stderr
+    # A run made without run.record_rollouts: refused before any actor starts, naming the
+    # missing file and the key that records it.
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    config = load_config("cluster_configs/local.toml").to_dict()
+    (ckpt / "meta.json").write_text(json.dumps({"step": 1, "policy_version": 1,
+                                                "config": config, "ledger": {}}))
+    (tmp_path / "trained.jsonl").write_text(json.dumps(
+        {"step": 1, "trained_at_version": 0, "groups": [["c0:x", 0, 0]]}) + "\n")
+    out = cli("replay", str(tmp_path))
+    assert out.returncode == 2, out.stderr
+    assert "step_000001.json.gz" in out.stderr and "run.record_rollouts = true" in out.stderr

@@ -105,6 +105,9 @@ def _alone_and_in_batch(engine: EmbeddedEngine, prompt: list[int], n: int = 10):
     params = SamplingParams(max_new_tokens=n, temperature=1.0, seed=1234)
     others = [[1] + [rng.randrange(4, 64) for _ in range(rng.randrange(1, 12))]
               for _ in range(31)]
+    # siblings with the same prompt (as in a group): the engine shares their identical
+    # forwards, which must not change anyone's numbers
+    others[3:9] = [list(prompt)] * 6
 
     async def main():
         alone = await engine.generate(prompt, params)
@@ -197,3 +200,18 @@ def test_compare_exports_is_bitwise(tmp_path):
     result = compare_exports(a, b)
     assert not result["identical"] and result["differing"] == ["w"]
     assert 0 < result["max_abs_diff"] < 1e-6
+
+
+def test_deterministic_sglang_engines_get_deterministic_inference():
+    import ray  # noqa: F401 -- actors.engines is an actor module (no cluster is started)
+
+    from actors.engines import build_engine
+    from rl_async.engine.sglang_args import build_server_args
+
+    def argv(deterministic: bool) -> list[str]:
+        cfg = load_config("cluster_configs/node.toml",
+                          [f"run.deterministic={str(deterministic).lower()}"])
+        return build_server_args(build_engine(cfg, 0).config, 30000)
+
+    assert "--enable-deterministic-inference" in argv(True)
+    assert "--enable-deterministic-inference" not in argv(False)
