@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run | prepare-model | export | replay`.
+"""`rl-async plan | validate | run | prepare-model | export | replay | compare`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -160,6 +160,28 @@ def replay_cmd(run_dir: str, out: str | None) -> None:
         _fail([str(exc)])
     click.echo(json.dumps(result))
     sys.exit(0 if result["identical"] else 1)
+
+
+@main.command(name="compare")
+@click.argument("summaries", nargs=-1, required=True, type=click.Path(exists=True,
+                                                                       dir_okay=False))
+@click.option("--target", type=float, default=None,
+              help="Reward to time (default: 80% of the sync runs' median final reward).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Write eval reward against wall time for every run to this PNG.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line instead of a table.")
+def compare_cmd(summaries: tuple[str, ...], target: float | None, plot_path: str | None,
+                as_json: bool) -> None:
+    """Eval reward against wall time for several runs' summaries (--summary-json files)."""
+    from rl_async.compare import compare, plot, table
+
+    try:
+        result = compare(list(summaries), target)
+        if plot_path:
+            plot(result, plot_path)
+    except (ValueError, RuntimeError) as exc:
+        _fail([str(exc)])
+    click.echo(json.dumps(result) if as_json else table(result))
 
 
 def _dry_run(cfg: RunConfig, overrides: tuple[str, ...]) -> tuple[RunConfig, Report]:

@@ -338,6 +338,9 @@ class Controller:
         p = self.progress
         wall = time.monotonic() - self._start
         return {
+            "run": {"name": self.cfg.run.name, "seed": self.cfg.run.seed,
+                    "mode": "async" if self.cfg.fully_async else "sync",
+                    "max_weight_staleness": self.plan.max_weight_staleness},
             "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
             "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval,
                      **{k: v for k, v in p.eval_last.items() if k != "reward"},
