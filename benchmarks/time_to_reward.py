@@ -1,0 +1,125 @@
+"""Time to reward: sync vs async at several lags, over seeds, on the local demo.
+
+What users care about is how long it takes to reach a reward, not loop speed. For each seed
+(`run.seed` = `model.init_seed` = S) this runs `cluster_configs/dev.toml` (synchronous) and
+`cluster_configs/local.toml` (the same config, fully async) at each lag, interleaved so that
+machine noise spreads over all modes, with the same eval schedule (`eval.every_steps`) in
+every mode. From each summary's `eval.curve` ([step, wall seconds since the controller loop
+started, held-out reward], evals and drains included):
+
+- target reward: 80% of sync's median final reward (--target-fraction),
+- per mode: median wall seconds to the first eval at or above the target (a seed that never
+  reaches it counts as +inf, so the median is honest), final reward median / min / max,
+- speedup = sync's median time to target / the mode's,
+- targets: the best async mode reaches the target >= 1.25x sooner (goal 1.6x), and no async
+  seed ends more than 0.1 below sync's worst seed.
+
+    python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 1,2,4] [--out DIR]
+prints one JSON line; summaries go to DIR (default a temp dir) for
+`rl-async compare DIR/*.json --plot curves.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.path first)
+
+import ray
+
+from rl_async.compare import time_to
+
+
+def run_one(path: str, name: str, seed: int, extra: list[str], args) -> dict:
+    overrides = [f"run.name={name}", f"run.seed={seed}", f"model.init_seed={seed}",
+                 f"eval.every_steps={args.every}", "wandb.mode=disabled",
+                 f"run.output_dir={args.out}/runs", *extra, *args.set]
+    if args.steps:
+        overrides.append(f"run.max_steps={args.steps}")
+    cfg, report = load_checked(path, overrides)
+    result = ray.get(TimedRun.remote().run.remote(cfg, report.plan))
+    summary = result["summary"]
+    (Path(args.out) / f"{name}.json").write_text(json.dumps(summary, default=str))
+    return summary
+
+
+def median_inf(values: list[float]) -> float:
+    return statistics.median(values)  # +inf sorts last: more than half never -> inf
+
+
+def report(runs: dict[str, list[dict]], fraction: float) -> dict:
+    finals = {m: [s["eval"]["curve"][-1][2] for s in ss] for m, ss in runs.items()}
+    target = fraction * statistics.median(finals["sync"])
+    out: dict = {"target_reward": round(target, 4), "modes": {}}
+    for mode, summaries in runs.items():
+        ttt = [time_to(s["eval"]["curve"], target) for s in summaries]
+        ttt = [math.inf if t is None else t for t in ttt]
+        out["modes"][mode] = {
+            "median_time_to_target_s": median_inf(ttt),
+            "time_to_target_s": ttt,
+            "final_reward_median": statistics.median(finals[mode]),
+            "final_reward_min": min(finals[mode]), "final_reward_max": max(finals[mode]),
+            "median_wall_s": statistics.median(s["eval"]["curve"][-1][1] for s in summaries),
+            "mean_staleness": statistics.mean(s["staleness"]["mean_delivered"]
+                                              for s in summaries)}
+    sync = out["modes"]["sync"]
+    for mode, m in out["modes"].items():
+        m["speedup"] = (sync["median_time_to_target_s"] / m["median_time_to_target_s"]
+                        if math.isfinite(m["median_time_to_target_s"]) else 0.0)
+    asyncs = {k: v for k, v in out["modes"].items() if k != "sync"}
+    best = max(asyncs, key=lambda k: asyncs[k]["speedup"])
+    out["best_async"] = best
+    out["best_speedup"] = round(asyncs[best]["speedup"], 3)
+    out["worst_async_final_minus_worst_sync"] = round(
+        min(v["final_reward_min"] for v in asyncs.values()) - sync["final_reward_min"], 4)
+    out["meets_target"] = (out["best_speedup"] >= 1.25
+                           and out["worst_async_final_minus_worst_sync"] >= -0.1)
+    for m in out["modes"].values():  # JSON has no infinity: never reached -> null
+        m["median_time_to_target_s"] = _finite(m["median_time_to_target_s"])
+        m["time_to_target_s"] = [_finite(t) for t in m["time_to_target_s"]]
+    return out
+
+
+def _finite(x: float) -> float | None:
+    return round(x, 2) if math.isfinite(x) else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    parser.add_argument("--seeds", type=int, default=4)
+    parser.add_argument("--lags", default="1,2,4")
+    parser.add_argument("--steps", type=int, default=0, help="run.max_steps (0: the files')")
+    parser.add_argument("--every", type=int, default=25, help="eval.every_steps, all modes")
+    parser.add_argument("--target-fraction", type=float, default=0.8)
+    parser.add_argument("--out", default=None, help="where summaries go (default: temp dir)")
+    parser.add_argument("--set", action="append", default=[], help="override, all modes")
+    args = parser.parse_args()
+    args.out = args.out or tempfile.mkdtemp(prefix="rl-async-ttr-")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    lags = [int(x) for x in args.lags.split(",") if x]
+    init_ray(num_cpus=2)
+    started = time.monotonic()
+    runs: dict[str, list[dict]] = {"sync": [], **{f"async_lag{lag}": [] for lag in lags}}
+    for seed in range(args.seeds):
+        runs["sync"].append(run_one("cluster_configs/dev.toml", f"sync-s{seed}", seed, [],
+                                    args))
+        for lag in lags:
+            runs[f"async_lag{lag}"].append(run_one(
+                "cluster_configs/local.toml", f"async-lag{lag}-s{seed}", seed,
+                [f"async.max_weight_staleness={lag}"], args))
+    result = report(runs, args.target_fraction)
+    result.update(seeds=args.seeds, summaries_dir=args.out,
+                  benchmark_seconds=round(time.monotonic() - started, 1))
+    print(json.dumps(result, default=str) if args.json else json.dumps(result, indent=2,
+                                                                        default=str))
+
+
+if __name__ == "__main__":
+    main()
