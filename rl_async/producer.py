@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from rl_async import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.faults import FailureBudget
 from rl_async.types import Group, Sample
@@ -332,14 +332,14 @@ class Producer:
             self._samples_in_flight += 1
             self._gen_idle.clear()
             self.stats.submitted_samples += 1
-            start = time.monotonic()
+            start = clock.now()
             try:
                 out = await self._generate(sample, og.group.group_id)
             finally:
                 self._samples_in_flight -= 1
                 if self._samples_in_flight == 0:
                     self._gen_idle.set()
-                self.stats.generation_seconds += time.monotonic() - start
+                self.stats.generation_seconds += clock.now() - start
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(
                 f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "
@@ -389,13 +389,13 @@ class Producer:
     async def _insert(self, group: Group) -> None:
         self._pending_puts += 1
         self._update_put_gate()
-        start = time.monotonic()
+        start = clock.now()
         try:
             room = await self._put(group)
             self._known_room = room if isinstance(room, (int, float)) else 0
             self.stats.inserted_groups += 1
         finally:
-            self.stats.put_wait_seconds += time.monotonic() - start
+            self.stats.put_wait_seconds += clock.now() - start
             self._pending_puts -= 1
             self._update_put_gate()
 
