@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run | prepare-model | export`.
+"""`rl-async plan | validate | run | simulate | prepare-model | export`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -61,17 +61,70 @@ def main() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
+@click.option("--simulate", "with_sim", is_flag=True,
+              help="Add simulated consequences (trainer wait, discards) to the warnings, "
+                   "re-simulating a few candidate sizings (see `rl-async simulate`).")
+@click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --simulate: timings measured by a real run (its --summary-json).")
+def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
+         calibrate: str | None) -> None:
     """Print the resolved capacity plan and its warnings."""
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
+    simulated = None
+    if with_sim:
+        from rl_async.sim.advice import simulated_warnings
+
+        simulated, extra = simulated_warnings(file, overrides, cfg, _calibration(calibrate))
+        report.warnings.extend(extra)
     if as_json:
         out = report.to_json()
         out.pop("errors")
+        if simulated is not None:
+            out["simulation"] = simulated
         click.echo(json.dumps(out, indent=2))
     else:
         _print_table(cfg, report)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A real run's summary (rl-async run --summary-json): its measured timings "
+                   "replace the [synthetic] defaults.")
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Optimizer updates to simulate [run.max_steps, at most 100].")
+@click.option("--json", "as_json", is_flag=True, help="Print the prediction as one JSON line.")
+def simulate(file: str, calibrate: str | None, overrides: tuple[str, ...], steps: int | None,
+             as_json: bool) -> None:
+    """Predict trainer wait, engine idle time, discards and staleness without GPUs: the real
+    controller, producer, buffer and ledger on a virtual clock with simulated engines."""
+    cfg, report = _load(file, overrides)
+    if not report.ok:
+        _fail(report.errors)
+    from rl_async.sim.calibrate import sim_timings
+    from rl_async.sim.report import format_prediction
+    from rl_async.sim.run import simulate as run_simulation
+
+    timings = sim_timings(cfg, _calibration(calibrate), calibrate or "calibration")
+    prediction = run_simulation(cfg, report.plan, timings, steps)
+    if as_json:
+        click.echo(json.dumps(prediction))
+    else:
+        click.echo(format_prediction(prediction))
+
+
+def _calibration(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    from rl_async.sim.calibrate import CalibrationError, load_calibration
+
+    try:
+        return load_calibration(path)
+    except CalibrationError as exc:
+        _fail([str(exc)])
 
 
 @main.command(name="validate")

@@ -46,6 +46,7 @@ def simulate(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, steps: int
     async def main() -> dict[str, Any]:
         await fleet.start()
         summary = await Controller(cfg, plan, fleet, log).run()
+        fleet.occupancy.mark(len(fleet.buffer))  # close the last interval on the virtual clock
         for engine in fleet.engines:
             engine.track()
             await engine.close()
@@ -80,7 +81,6 @@ def prediction(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, fleet: S
             by_length[label] = row
     dropped, delivered = tally.total("dropped"), tally.total("delivered")
     occ = fleet.occupancy
-    occ.mark(len(fleet.buffer))
     span = max(1e-9, occ._t - (occ.t0 or 0.0))
     return {
         "config": cfg.run.name, "simulated_steps": summary["steps"],
@@ -116,7 +116,8 @@ def prediction(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, fleet: S
 
 
 def _timeline(samples: list[tuple[float, int]], points: int) -> list[list[float]]:
-    """[time, mean groups] over `points` equal slices of the run (time-weighted)."""
+    """[seconds since the producer started, mean groups] over `points` equal slices of the
+    run (time-weighted)."""
     if len(samples) < 2:
         return [[t, float(n)] for t, n in samples]
     t0, t1 = samples[0][0], samples[-1][0]
@@ -129,5 +130,5 @@ def _timeline(samples: list[tuple[float, int]], points: int) -> list[list[float]
             overlap = min(hi, tb) - max(lo, ta)
             if overlap > 0:
                 area += n * overlap
-        out.append([round(hi, 3), round(area / width, 2)])
+        out.append([round(hi - t0, 3), round(area / width, 2)])
     return out
