@@ -7,10 +7,13 @@ while it runs (no extra actor calls):
   log length (the lognormal the simulator draws from);
 - prompt tokens per sample (prefill work);
 - trainer seconds per trained sample (the whole trainer group's time for a collection);
+- the controller loop's own seconds per optimizer step (actor round trips, logging: what
+  the simulated fleet otherwise takes as free);
 - publications: mean seconds, drain and transfer seconds, bytes, effective bytes/s;
 - engines: the producer's cumulative generated tokens and generation seconds (time inside
-  generate calls, summed over requests). Their ratio is the per-request token rate; the
-  seconds over the wall time and engines are the mean requests in flight per engine. With
+  generate calls, summed over requests) and the time any request was outstanding. The first
+  two give the per-request token rate; generation seconds over busy seconds and engines, the
+  mean requests in flight per engine while generating. With
   `max_running_requests` that gives one operating point of the decode curve (see
   rl_async.sim.calibrate).
 
@@ -50,6 +53,9 @@ class CalibrationStats:
                                   "paused_seconds", "bytes"), 0.0)
         self.generated_tokens = 0.0
         self.generation_seconds = 0.0
+        self.generation_busy_seconds = 0.0
+        self.controller_seconds = 0.0   # the loop's own time (actor calls, logging) per step
+        self.controller_samples = 0
 
     def observe_collection(self, groups: list[Group], train_seconds: float) -> None:
         for g in groups:
@@ -70,6 +76,9 @@ class CalibrationStats:
     def observe_metrics(self, metrics: dict[str, float]) -> None:
         """One collection's logged metrics: publication results (when one finished) and the
         producer's cumulative counters (the latest values win)."""
+        if "perf/orchestration_seconds_per_step" in metrics:
+            self.controller_seconds += float(metrics["perf/orchestration_seconds_per_step"])
+            self.controller_samples += 1
         if "publish/publication_seconds" in metrics:
             self.pubs += 1
             for key in self.pub:
@@ -77,6 +86,8 @@ class CalibrationStats:
         if "producer/generation_seconds" in metrics:
             self.generation_seconds = float(metrics["producer/generation_seconds"])
             self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
+            self.generation_busy_seconds = float(
+                metrics.get("producer/generation_busy_seconds", 0.0))
 
     def to_dict(self, wall_seconds: float, engines: int, max_running_requests: int,
                 max_response_len: int) -> dict[str, Any]:
@@ -86,8 +97,10 @@ class CalibrationStats:
         pubs = max(1, self.pubs)
         transfer = self.pub["transfer_seconds"] / pubs
         nbytes = self.pub["bytes"] / pubs
-        in_flight = (self.generation_seconds / (wall_seconds * engines)
-                     if wall_seconds > 0 and engines else 0.0)
+        # While generating (not over the wall time: publication pauses and evaluations
+        # would read as light load).
+        busy = self.generation_busy_seconds or wall_seconds
+        in_flight = self.generation_seconds / (busy * engines) if busy > 0 and engines else 0.0
         return {
             "source": "rl-async run: the controller's observations of this run",
             "response_length": {
@@ -101,6 +114,8 @@ class CalibrationStats:
             "prompt_tokens_mean": self.prompt_sum / max(1, self.n),
             "trainer": {"seconds_per_sample": self.train_seconds / max(1, self.train_samples),
                         "collections": self.collections, "samples": self.train_samples},
+            "controller_seconds_per_step": (self.controller_seconds
+                                            / max(1, self.controller_samples)),
             "publication": {"count": self.pubs,
                             "mean_seconds": self.pub["publication_seconds"] / pubs,
                             "mean_drain_seconds": self.pub["drain_seconds"] / pubs,
@@ -111,6 +126,7 @@ class CalibrationStats:
             "engines": {"count": engines, "max_running_requests": max_running_requests,
                         "generated_tokens": self.generated_tokens,
                         "generation_seconds": self.generation_seconds,
+                        "generation_busy_seconds": self.generation_busy_seconds,
                         "per_request_tokens_per_s": (self.generated_tokens / self.generation_seconds
                                                      if self.generation_seconds > 0 else None),
                         "mean_in_flight_per_engine": in_flight},

@@ -163,10 +163,10 @@ class Controller:
         pub_s = clock.now() - pub_start
         metrics = {**train_metrics, **pub_metrics, **await fleet_metrics}
         metrics.update(self._collection_metrics(groups, wait))
-        self.calibration.observe_collection(groups, train_s)
-        self.calibration.observe_metrics(metrics)
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
+        self.calibration.observe_collection(groups, train_s)
+        self.calibration.observe_metrics(metrics)
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:

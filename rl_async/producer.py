@@ -69,6 +69,10 @@ class ProducerStats:
     aborted_groups: int = 0
     failed_groups: int = 0
     generation_seconds: float = 0.0
+    # Time with at least one generation request outstanding: generation_seconds over it is
+    # the mean requests in flight while generating (the simulator's calibration, which must
+    # not count publication pauses and evals as light load).
+    generation_busy_seconds: float = 0.0
     put_wait_seconds: float = 0.0
     # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
     # responses whose tokens span more than one policy version.
@@ -127,6 +131,7 @@ class Producer:
         self._open: _OpenGroup | None = None
         self._groups_in_flight = 0
         self._samples_in_flight = 0
+        self._busy_since = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
         self._target: float = math.inf  # groups to insert before stopping (sync mode)
@@ -329,6 +334,8 @@ class Producer:
                     await self._engine_ready()
                 if self._gen_gate.is_set():
                     break
+            if self._samples_in_flight == 0:
+                self._busy_since = clock.now()
             self._samples_in_flight += 1
             self._gen_idle.clear()
             self.stats.submitted_samples += 1
@@ -339,6 +346,7 @@ class Producer:
                 self._samples_in_flight -= 1
                 if self._samples_in_flight == 0:
                     self._gen_idle.set()
+                    self.stats.generation_busy_seconds += clock.now() - self._busy_since
                 self.stats.generation_seconds += clock.now() - start
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(

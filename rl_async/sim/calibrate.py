@@ -9,6 +9,7 @@ replaces what it measured:
 - response lengths: lognormal(median = exp(mean log length), sigma = std of log length);
 - prompt tokens: the measured mean;
 - trainer seconds per sample: measured;
+- the controller loop's own seconds per step (actor calls, logging): measured;
 - publication: the measured bytes per publication and effective bytes/s (bucket latency 0:
   it is inside the measured transfer time);
 - decode: one operating point. The measured per-request rate rho at a mean of R requests
@@ -63,7 +64,9 @@ def _synthetic(cfg: RunConfig, label: str) -> tuple[SimTimings, dict[str, str]]:
         trainer=TrainerTiming(s.train_seconds_per_sample),
         publish_bytes=s.publish_bytes, prompt_tokens=s.prompt_tokens)
     keys = ("decode", "prefill", "response_lengths", "prompt_tokens", "trainer", "publication")
-    return timings, dict.fromkeys(keys, label)
+    sources = dict.fromkeys(keys, label)
+    sources["controller"] = "not modelled (0 s per step; --calibrate measures it)"
+    return timings, sources
 
 
 def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
@@ -87,6 +90,9 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
     if trainer.get("samples"):
         t = replace(t, trainer=TrainerTiming(float(trainer["seconds_per_sample"])))
         sources["trainer"] = src
+    if calibration.get("controller_seconds_per_step") is not None:
+        t = replace(t, controller_seconds_per_step=float(calibration["controller_seconds_per_step"]))
+        sources["controller"] = src
     pub = calibration.get("publication") or {}
     if pub.get("count") and pub.get("bytes_per_s"):
         t = replace(t, publish_bytes=int(pub["bytes"]), transfer=TransferTiming(

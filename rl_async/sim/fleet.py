@@ -54,6 +54,8 @@ class SimTimings:
     trainer: TrainerTiming
     publish_bytes: int
     prompt_tokens: int
+    # The controller loop's own time per optimizer step (0 unless calibrated: actor calls).
+    controller_seconds_per_step: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -255,7 +257,12 @@ class SimFleet:
         return {}
 
     async def record_trained(self, step: int, version: int, groups: list[Group]) -> None:
-        pass
+        # The controller's own per-collection time (a real run's actor round trips and
+        # logging), measured by --calibrate; it sits here, between training and publishing.
+        plan, t = self.plan, self.timings
+        overhead = t.controller_seconds_per_step * plan.optimizer_steps_per_collection
+        if overhead:
+            await asyncio.sleep(overhead)
 
     async def evaluate(self) -> dict[str, float]:
         """The eval prompts go to the same engines as rollouts (one greedy response each,
