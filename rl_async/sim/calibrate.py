@@ -11,7 +11,8 @@ replaces what it measured:
 - trainer seconds per sample: measured;
 - the controller loop's own seconds per step (actor calls, logging): measured;
 - publication: the measured bytes per publication and effective bytes/s (bucket latency 0:
-  it is inside the measured transfer time);
+  it is inside the measured transfer time), and the paused time beyond drain and transfer
+  (control round trips) as a fixed overhead; the drain itself is simulated;
 - decode: one operating point. The measured per-request rate rho at a mean of R requests
   in flight per engine gives a decode step of min(R, mrr) / (R x rho) at min(R, mrr) running
   requests; the `[synthetic]` decode curve (base + per request + per KV token) is scaled by
@@ -95,8 +96,11 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
         sources["controller"] = src
     pub = calibration.get("publication") or {}
     if pub.get("count") and pub.get("bytes_per_s"):
+        overhead = (pub.get("mean_paused_seconds", 0.0) - pub.get("mean_drain_seconds", 0.0)
+                    - pub.get("mean_transfer_seconds", 0.0))
         t = replace(t, publish_bytes=int(pub["bytes"]), transfer=TransferTiming(
-            float(pub["bytes_per_s"]), 0.0, t.transfer.group_init_s))
+            float(pub["bytes_per_s"]), 0.0, t.transfer.group_init_s),
+            publication_overhead_s=max(0.0, overhead))
         sources["publication"] = src
     engine = _decode_from(calibration.get("engines") or {}, t)
     if engine is not None:

@@ -56,6 +56,9 @@ class SimTimings:
     prompt_tokens: int
     # The controller loop's own time per optimizer step (0 unless calibrated: actor calls).
     controller_seconds_per_step: float = 0.0
+    # A publication's control round trips (stop, continue, resume) beyond drain and
+    # transfer (0 unless calibrated).
+    publication_overhead_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -324,6 +327,8 @@ class SimFleet:
         return sum(sizes)
 
     async def continue_engines(self) -> None:
+        if self.timings.publication_overhead_s:
+            await asyncio.sleep(self.timings.publication_overhead_s)
         await asyncio.gather(*(e.continue_generation() for e in self.engines))
 
     async def resume_submissions(self) -> None:
