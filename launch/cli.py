@@ -48,8 +48,10 @@ def _print_table(cfg: RunConfig, report: Report) -> None:
         table.add_row(key, str(value))
     console = Console(width=120)
     console.print(table)
+    from rich.markup import escape  # messages may quote "[synthetic]": text, not markup
+
     for w in report.warnings:
-        console.print(f"[yellow]warning {w.code}[/yellow]: {w.message}", soft_wrap=True)
+        console.print(f"[yellow]warning {w.code}[/yellow]: {escape(w.message)}", soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -5,7 +5,8 @@ sizings are simulated too (each one a `--set` override of the same file, so ever
 re-derived by the capacity plan as a real run would) and the smallest one that fixes it is
 named:
 
-    trainer wait > TARGET_WAIT   -> more engines: x1.25, x1.5, x2, x3, x4 (first under target)
+    trainer wait > TARGET_WAIT   -> more engines: x2 first; under target -> the smallest of
+        x1.25, x1.5 that still is; else x3, x4 (the first under target)
     trainer wait < TARGET_WAIT and generation idle > IDLE_LIMIT -> the trainer is the
         bottleneck: fewer engines that keep the wait under target
     discarded groups > DISCARD_LIMIT -> max_weight_staleness x2 (and x4 when x2 is not enough)
@@ -28,7 +29,7 @@ from rl_async.sim.run import simulate
 TARGET_WAIT = 0.05
 IDLE_LIMIT = 0.30
 DISCARD_LIMIT = 0.10
-PLAN_STEPS = 40
+PLAN_STEPS = 20
 ENGINE_FACTORS = (1.25, 1.5, 2.0, 3.0, 4.0)
 SHRINK_FACTORS = (0.5, 0.75)
 
@@ -72,23 +73,31 @@ def _headline(p: dict[str, Any], steps: int) -> str:
 
 
 def _more_engines(cfg: RunConfig, engines: int, wait: float, run: Callable) -> Warning_:
-    tried = []
-    for factor in ENGINE_FACTORS:
-        n = max(engines + 1, math.ceil(engines * factor))
-        if tried and n == tried[-1][0]:
-            continue
-        p = run((_engines_override(cfg, n),))
-        tried.append((n, p["trainer_wait_fraction"]))
-        if p["trainer_wait_fraction"] <= TARGET_WAIT:
+    def sized(factor: float) -> int:
+        return max(engines + 1, math.ceil(engines * factor))
+
+    tried: dict[int, dict] = {}
+
+    def wait_at(n: int) -> float:
+        if n not in tried:
+            tried[n] = run((_engines_override(cfg, n),))
+        return tried[n]["trainer_wait_fraction"]
+
+    order = ([sized(1.25), sized(1.5), sized(2.0)] if wait_at(sized(2.0)) <= TARGET_WAIT
+             else [sized(3.0), sized(4.0)])
+    for n in order:
+        if wait_at(n) <= TARGET_WAIT:
+            p = tried[n]
             return Warning_("SIM_GENERATION_BOUND", (
                 f"the trainer waits {wait:.0%} of the time: generation is the bottleneck; "
                 f"{n - engines} more engine(s) ({n} in all) bring it to "
                 f"{p['trainer_wait_fraction']:.0%} ({p['steps_per_hour']:.0f} steps/hour)"))
-    n, best = tried[-1]
+    n = max(tried)
     return Warning_("SIM_GENERATION_BOUND", (
         f"the trainer waits {wait:.0%} of the time: generation is the bottleneck, and even "
-        f"{n} engines leave it at {best:.0%}: publication pauses or the producer budget "
-        f"limit it (look at publication_pause_fraction in `rl-async simulate`)"))
+        f"{n} engines leave it at {tried[n]['trainer_wait_fraction']:.0%}: publication "
+        f"pauses (draining long responses) or the producer budget limit it (see "
+        f"publication_pause_fraction in `rl-async simulate`)"))
 
 
 def _fewer_engines(cfg: RunConfig, engines: int, idle: float, run: Callable) -> Warning_:
