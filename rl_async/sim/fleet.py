@@ -129,6 +129,11 @@ class Occupancy:
         self.peak = 0
         self.samples: list[tuple[float, int]] = []  # (time, groups) at every change
 
+    @property
+    def span(self) -> float:
+        """Seconds from the first mark to the last."""
+        return self._t - self.t0 if self.t0 is not None else 0.0
+
     def mark(self, n: int) -> None:
         t = clock.now()
         if self.t0 is None:

@@ -81,7 +81,7 @@ def prediction(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, fleet: S
             by_length[label] = row
     dropped, delivered = tally.total("dropped"), tally.total("delivered")
     occ = fleet.occupancy
-    span = max(1e-9, occ._t - (occ.t0 or 0.0))
+    span = max(1e-9, occ.span)
     return {
         "config": cfg.run.name, "simulated_steps": summary["steps"],
         "simulated_seconds": wall, "simulator_cpu_seconds": round(cpu_s, 3),

@@ -145,6 +145,26 @@ def test_run_calibration_records_what_the_simulator_reads():
     assert set(defaults.values()) == {SYNTHETIC}
 
 
+def test_every_run_summary_carries_a_calibration_section():
+    from inprocess_fleet import Disk, InProcessFleet
+
+    from rl_async.controller import Controller
+
+    cfg = load_config(LOCAL, ["run.max_steps=3", "rollout.rollout_batch_size=2",
+                              "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
+                              "sglang.max_running_requests=2", "wandb.mode=disabled"])
+    plan = plan_capacity(cfg)[0]
+    fleet = InProcessFleet(cfg, plan, Disk(), seed=0)
+    summary = asyncio.run(Controller(cfg, plan, fleet, lambda m, s: None).run())
+    cal = summary["calibration"]
+    assert cal["response_length"]["samples"] == 3 * 4  # the fake engine answers 2 tokens
+    assert cal["response_length"]["p50"] == 2 and cal["prompt_tokens_mean"] == 2
+    assert cal["trainer"]["samples"] == 12 and cal["trainer"]["collections"] == 3
+    assert cal["publication"]["count"] >= 2
+    # a summary's calibration is what --calibrate reads
+    assert sim_timings(cfg, cal).sources["trainer"].startswith("measured")
+
+
 # ---- CLI ------------------------------------------------------------------------------------------
 def cli(*args):
     return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
