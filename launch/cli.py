@@ -110,8 +110,15 @@ def simulate(file: str, calibrate: str | None, overrides: tuple[str, ...], steps
     from rl_async.sim.report import format_prediction
     from rl_async.sim.run import simulate as run_simulation
 
+    from rl_async.controller import RunFailed
+    from rl_async.sim.virtual_loop import SimulationDeadlock
+
     timings = sim_timings(cfg, _calibration(calibrate), calibrate or "calibration")
-    prediction = run_simulation(cfg, report.plan, timings, steps)
+    try:
+        prediction = run_simulation(cfg, report.plan, timings, steps)
+    except (RunFailed, SimulationDeadlock) as exc:  # the simulated run failed, as a real one would
+        click.echo(f"error: the simulated run stopped: {exc}", err=True)
+        sys.exit(1)
     if as_json:
         click.echo(json.dumps(prediction))
     else:

@@ -297,8 +297,13 @@ class SimFleet:
         return self.producer.stats.inserted_groups
 
     async def diagnosis(self) -> dict:
+        return self.state()
+
+    def state(self) -> dict:
+        """What each stage holds (for stall and deadlock errors)."""
         return {"producer": self.producer.load(), "buffer_groups": len(self.buffer),
-                "engines": [vars(e.load()) for e in self.engines]}
+                "engines": [{"running": e.load().running, "waiting": e.load().waiting}
+                            for e in self.engines]}
 
     async def faults(self) -> dict:
         return {"engine_restarts": 0, "retried_requests": 0,

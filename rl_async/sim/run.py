@@ -22,7 +22,7 @@ from rl_async.config import RunConfig
 from rl_async.controller import Controller
 from rl_async.queue_metrics import LENGTH_BIN_LABELS
 from rl_async.sim.fleet import OUTCOMES, SimFleet, SimTimings
-from rl_async.sim.virtual_loop import run_virtual
+from rl_async.sim.virtual_loop import SimulationDeadlock, run_virtual
 
 DEFAULT_STEPS = 100  # optimizer updates simulated unless --steps says otherwise
 TIMELINE_POINTS = 10
@@ -53,7 +53,10 @@ def simulate(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, steps: int
         return summary
 
     cpu = time.process_time()
-    summary = run_virtual(main())
+    try:
+        summary = run_virtual(main())
+    except SimulationDeadlock as exc:
+        raise SimulationDeadlock(f"{exc}; what each stage holds: {fleet.state()}") from None
     cpu = time.process_time() - cpu
     return prediction(cfg, plan, timings, fleet, summary, logged, cpu)
 

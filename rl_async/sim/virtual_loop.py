@@ -51,8 +51,8 @@ class _VirtualSelector(selectors.BaseSelector):
     def select(self, timeout=None):
         if timeout is None:
             raise SimulationDeadlock(
-                "simulation deadlock: every task is waiting and no timer is scheduled "
-                "(in a real run this would hang; the diagnosis of the stages is in the cause)")
+                "simulation deadlock: every task is waiting and no timer is scheduled (a real "
+                "run would hang here)")
         if timeout > 0:
             self.loop.advance(timeout)
         return []

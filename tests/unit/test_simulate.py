@@ -201,3 +201,12 @@ def test_plan_simulate_adds_simulated_warnings():
     codes = [w["code"] for w in doc["warnings"]]
     assert "SIMULATED" in codes and "SIM_GENERATION_BOUND" in codes
     assert "trainer_wait_fraction" in doc["simulation"]
+
+
+def test_a_simulated_stall_fails_like_a_real_run():
+    # the trainer needs 16 samples x 10 s per collection; the stall budget is 5 s (virtual)
+    out = cli("simulate", str(LOCAL), *sum((["--set", o] for o in SMALL), []),
+              "--set", "run.stall_timeout_s=5", "--set", "synthetic.train_seconds_per_sample=10")
+    assert out.returncode == 1
+    assert "the simulated run stopped: stalled" in out.stderr
+    assert "run.stall_timeout_s = 5" in out.stderr
