@@ -56,7 +56,7 @@ def simulated_warnings(path: str, overrides: tuple[str, ...], cfg: RunConfig,
     out = [Warning_("SIMULATED", _headline(base, steps))]
     wait, idle = base["trainer_wait_fraction"], base["generation_idle_fraction"]
     if wait > TARGET_WAIT:
-        out.append(_more_engines(cfg, engines, wait, run))
+        out.append(_more_engines(cfg, engines, base, run))
     elif idle > IDLE_LIMIT and engines > 1:
         out.append(_fewer_engines(cfg, engines, idle, run))
     if base["discarded_groups_fraction"] > DISCARD_LIMIT:
@@ -72,7 +72,8 @@ def _headline(p: dict[str, Any], steps: int) -> str:
             f"(timings: {p['timings_source']['decode'].split(' (')[0]})")
 
 
-def _more_engines(cfg: RunConfig, engines: int, wait: float, run: Callable) -> Warning_:
+def _more_engines(cfg: RunConfig, engines: int, base: dict, run: Callable) -> Warning_:
+    wait = base["trainer_wait_fraction"]
     def sized(factor: float) -> int:
         return max(engines + 1, math.ceil(engines * factor))
 
@@ -95,9 +96,10 @@ def _more_engines(cfg: RunConfig, engines: int, wait: float, run: Callable) -> W
     n = max(tried)
     return Warning_("SIM_GENERATION_BOUND", (
         f"the trainer waits {wait:.0%} of the time: generation is the bottleneck, and even "
-        f"{n} engines leave it at {tried[n]['trainer_wait_fraction']:.0%}: publication "
-        f"pauses (draining long responses) or the producer budget limit it (see "
-        f"publication_pause_fraction in `rl-async simulate`)"))
+        f"{n} engines leave it at {tried[n]['trainer_wait_fraction']:.0%}: publications pause "
+        f"generation {base['publication_pause_fraction']:.0%} of the time (draining long "
+        f"responses: publication.drain_timeout_s = {cfg.publication.drain_timeout_s:g} s, "
+        f"max_response_len {cfg.rollout.max_response_len}) or the producer budget limits it"))
 
 
 def _fewer_engines(cfg: RunConfig, engines: int, idle: float, run: Callable) -> Warning_:
