@@ -1,11 +1,12 @@
-"""The core's clock: the running event loop's time, so one core runs under two clocks.
+"""The core's clock: wall time in a real run, virtual time inside the simulator.
 
-A real run's loop is asyncio's default, whose `time()` is `time.monotonic()`; the simulator
-(`rl-async simulate`) runs the same classes on rl_async.sim.virtual_loop, whose `time()` is
-virtual and jumps to the next timer when every task is blocked. Reading the loop's time
-instead of `time.monotonic()` is what lets the controller's trainer wait, the producer's
-generation time and the publication's pause seconds come out in simulated seconds there,
-unchanged in a real run. Outside a loop (plain synchronous callers) it is `time.monotonic()`.
+A real run reads `time.monotonic()`, exactly as before this module existed (Ray's async
+actors run on uvloop, whose `loop.time()` is libuv's cached, millisecond-resolution loop
+time: not what the core's measurements should depend on). The simulator (`rl-async
+simulate`) runs the same classes on rl_async.sim.virtual_loop, whose `time()` is virtual and
+jumps to the next timer when every task is blocked; there `now()` is that virtual time, so the
+controller's trainer wait, the producer's generation time and the publication's pause
+seconds come out in simulated seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 
 def now() -> float:
-    try:
-        return asyncio.get_running_loop().time()
-    except RuntimeError:  # no running loop: a synchronous caller
-        return time.monotonic()
+    loop = asyncio._get_running_loop()  # None outside a loop; never raises
+    if loop is not None and getattr(loop, "virtual_clock", False):
+        return loop.time()
+    return time.monotonic()

@@ -14,7 +14,7 @@ from rl_async.capacity import plan_capacity
 from rl_async.config_load import load_config
 from rl_async.sim.calibrate import SYNTHETIC, sim_timings
 from rl_async.sim.run import simulate
-from rl_async.sim.virtual_loop import SimulationDeadlock, run_virtual
+from rl_async.sim.virtual_loop import SimulationDeadlock, VirtualClockLoop, run_virtual
 from rl_async.types import Group, Sample
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +210,18 @@ def test_a_simulated_stall_fails_like_a_real_run():
     assert out.returncode == 1
     assert "the simulated run stopped: stalled" in out.stderr
     assert "run.stall_timeout_s = 5" in out.stderr
+
+
+def test_core_clock_is_wall_time_in_a_real_loop_and_virtual_in_the_simulator():
+    import time
+
+    from rl_async import clock
+
+    async def read():
+        await asyncio.sleep(100 if isinstance(asyncio.get_running_loop(), VirtualClockLoop)
+                            else 0)
+        return clock.now()
+
+    assert run_virtual(read()) == 100
+    before = time.monotonic()
+    assert asyncio.run(read()) >= before
