@@ -8,7 +8,8 @@ while it runs (no extra actor calls):
 - prompt tokens per sample (prefill work);
 - trainer seconds per trained sample (the whole trainer group's time for a collection);
 - the controller loop's own seconds per optimizer step (actor round trips, logging: what
-  the simulated fleet otherwise takes as free);
+  the simulated fleet otherwise takes as free), and the collection's transport: the
+  controller's wait for a collection minus the buffer's own wait for its groups;
 - publications: mean seconds, drain and transfer seconds, bytes, effective bytes/s;
 - engines: the producer's cumulative generated tokens and generation seconds (time inside
   generate calls, summed over requests) and the time any request was outstanding. The first
@@ -27,6 +28,7 @@ from typing import Any
 
 from rl_async.types import Group
 
+BUFFER_WAIT = "rollout/fully_async/completed_queue/consumer_wait_seconds"
 MAX_LENGTHS = 20_000  # lengths kept for quantiles (the first ones; the log moments use all)
 
 
@@ -56,6 +58,10 @@ class CalibrationStats:
         self.generation_busy_seconds = 0.0
         self.controller_seconds = 0.0   # the loop's own time (actor calls, logging) per step
         self.controller_samples = 0
+        # The controller's wait for collections vs the buffer's own wait for groups: the
+        # difference is the get's transport (actor round trip, moving the groups).
+        self.trainer_wait = 0.0
+        self.buffer_wait: float | None = None
 
     def observe_collection(self, groups: list[Group], train_seconds: float) -> None:
         for g in groups:
@@ -76,6 +82,9 @@ class CalibrationStats:
     def observe_metrics(self, metrics: dict[str, float]) -> None:
         """One collection's logged metrics: publication results (when one finished) and the
         producer's cumulative counters (the latest values win)."""
+        self.trainer_wait += float(metrics.get("train/trainer_wait_seconds", 0.0))
+        if BUFFER_WAIT in metrics:
+            self.buffer_wait = (self.buffer_wait or 0.0) + float(metrics[BUFFER_WAIT])
         if "perf/orchestration_seconds_per_step" in metrics:
             self.controller_seconds += float(metrics["perf/orchestration_seconds_per_step"])
             self.controller_samples += 1
@@ -116,6 +125,9 @@ class CalibrationStats:
                         "collections": self.collections, "samples": self.train_samples},
             "controller_seconds_per_step": (self.controller_seconds
                                             / max(1, self.controller_samples)),
+            "collection_transport_seconds": (
+                None if self.buffer_wait is None
+                else max(0.0, self.trainer_wait - self.buffer_wait) / max(1, self.collections)),
             "publication": {"count": self.pubs,
                             "mean_seconds": self.pub["publication_seconds"] / pubs,
                             "mean_drain_seconds": self.pub["drain_seconds"] / pubs,

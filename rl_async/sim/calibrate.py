@@ -9,7 +9,8 @@ replaces what it measured:
 - response lengths: lognormal(median = exp(mean log length), sigma = std of log length);
 - prompt tokens: the measured mean;
 - trainer seconds per sample: measured;
-- the controller loop's own seconds per step (actor calls, logging): measured;
+- the controller loop's own seconds per step (actor calls, logging) and the transport of a
+  collection from the buffer (controller wait minus buffer wait): measured;
 - publication: the measured bytes per publication and effective bytes/s (bucket latency 0:
   it is inside the measured transfer time), and the paused time beyond drain and transfer
   (control round trips) as a fixed overhead; the drain itself is simulated;
@@ -67,6 +68,7 @@ def _synthetic(cfg: RunConfig, label: str) -> tuple[SimTimings, dict[str, str]]:
     keys = ("decode", "prefill", "response_lengths", "prompt_tokens", "trainer", "publication")
     sources = dict.fromkeys(keys, label)
     sources["controller"] = "not modelled (0 s per step; --calibrate measures it)"
+    sources["collection_transport"] = "not modelled (0 s; --calibrate measures it)"
     return timings, sources
 
 
@@ -94,6 +96,9 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
     if calibration.get("controller_seconds_per_step") is not None:
         t = replace(t, controller_seconds_per_step=float(calibration["controller_seconds_per_step"]))
         sources["controller"] = src
+    if calibration.get("collection_transport_seconds") is not None:
+        t = replace(t, collection_transport_s=float(calibration["collection_transport_seconds"]))
+        sources["collection_transport"] = src
     pub = calibration.get("publication") or {}
     if pub.get("count") and pub.get("bytes_per_s"):
         overhead = (pub.get("mean_paused_seconds", 0.0) - pub.get("mean_drain_seconds", 0.0)

@@ -59,6 +59,8 @@ class SimTimings:
     # A publication's control round trips (stop, continue, resume) beyond drain and
     # transfer (0 unless calibrated).
     publication_overhead_s: float = 0.0
+    # Moving a collection from the buffer to the controller (0 unless calibrated).
+    collection_transport_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -247,6 +249,8 @@ class SimFleet:
     async def get_groups(self, n: int, version: int) -> list[Group]:
         groups = await self.buffer.get(n, version)
         self.occupancy.mark(len(self.buffer))
+        if self.timings.collection_transport_s:  # a real run's actor round trip (calibrated)
+            await asyncio.sleep(self.timings.collection_transport_s)
         return groups
 
     async def buffer_set_version(self, version: int) -> None:

@@ -119,7 +119,9 @@ def test_run_calibration_records_what_the_simulator_reads():
                            "publish/bytes": 4e9, "producer/generation_seconds": 80.0,
                            "producer/generated_tokens": 4000.0,
                            "producer/generation_busy_seconds": 10.0,
-                           "perf/orchestration_seconds_per_step": 0.25})
+                           "perf/orchestration_seconds_per_step": 0.25,
+                           "train/trainer_wait_seconds": 1.5,
+                           "rollout/fully_async/completed_queue/consumer_wait_seconds": 1.0})
     cal = stats.to_dict(wall_seconds=10.0, engines=2, max_running_requests=8,
                         max_response_len=512)
     r = cal["response_length"]
@@ -127,6 +129,7 @@ def test_run_calibration_records_what_the_simulator_reads():
     assert math.isclose(r["log_mean"], math.log(200))
     assert cal["trainer"]["seconds_per_sample"] == 0.5
     assert cal["controller_seconds_per_step"] == 0.25
+    assert cal["collection_transport_seconds"] == 0.5  # wait 1.5 s, of which 1 s in the buffer
     assert cal["publication"]["bytes_per_s"] == 2e9
     e = cal["engines"]
     assert e["per_request_tokens_per_s"] == 50 and e["mean_in_flight_per_engine"] == 4
@@ -136,12 +139,14 @@ def test_run_calibration_records_what_the_simulator_reads():
     assert t.lengths.median == pytest.approx(200) and t.trainer.seconds_per_sample == 0.5
     assert t.publish_bytes == 4e9 and t.transfer.bytes_per_s == 2e9
     assert t.prompt_tokens == 10 and t.controller_seconds_per_step == 0.25
+    assert t.collection_transport_s == 0.5
     # 4 requests in flight per engine, all running (8 slots), each at 50 tokens/s
     kv = int(4 * (10 + t.lengths.mean() / 2))
     assert t.engine.step_seconds(4, kv) == pytest.approx(1 / 50)
     assert all(src.startswith("measured (run.json)") for src in t.sources.values())
     defaults = sim_timings(cfg).sources
     assert defaults.pop("controller").startswith("not modelled")
+    assert defaults.pop("collection_transport").startswith("not modelled")
     assert set(defaults.values()) == {SYNTHETIC}
 
 
