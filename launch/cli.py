@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run | prepare-model | export | replay | compare`.
+"""`rl-async plan | validate | run | simulate | prepare-model | export | replay | compare`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -48,8 +48,10 @@ def _print_table(cfg: RunConfig, report: Report) -> None:
         table.add_row(key, str(value))
     console = Console(width=120)
     console.print(table)
+    from rich.markup import escape  # messages may quote "[synthetic]": text, not markup
+
     for w in report.warnings:
-        console.print(f"[yellow]warning {w.code}[/yellow]: {w.message}", soft_wrap=True)
+        console.print(f"[yellow]warning {w.code}[/yellow]: {escape(w.message)}", soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -61,17 +63,77 @@ def main() -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as one JSON object.")
-def plan(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
+@click.option("--simulate", "with_sim", is_flag=True,
+              help="Add simulated consequences (trainer wait, discards) to the warnings, "
+                   "re-simulating a few candidate sizings (see `rl-async simulate`).")
+@click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="With --simulate: timings measured by a real run (its --summary-json).")
+def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
+         calibrate: str | None) -> None:
     """Print the resolved capacity plan and its warnings."""
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
+    simulated = None
+    if with_sim:
+        from rl_async.sim.advice import simulated_warnings
+
+        simulated, extra = simulated_warnings(file, overrides, cfg, _calibration(calibrate))
+        report.warnings.extend(extra)
     if as_json:
         out = report.to_json()
         out.pop("errors")
+        if simulated is not None:
+            out["simulation"] = simulated
         click.echo(json.dumps(out, indent=2))
     else:
         _print_table(cfg, report)
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A real run's summary (rl-async run --summary-json): its measured timings "
+                   "replace the [synthetic] defaults.")
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Optimizer updates to simulate [run.max_steps, at most 100].")
+@click.option("--json", "as_json", is_flag=True, help="Print the prediction as one JSON line.")
+def simulate(file: str, calibrate: str | None, overrides: tuple[str, ...], steps: int | None,
+             as_json: bool) -> None:
+    """Predict trainer wait, engine idle time, discards and staleness without GPUs: the real
+    controller, producer, buffer and ledger on a virtual clock with simulated engines."""
+    cfg, report = _load(file, overrides)
+    if not report.ok:
+        _fail(report.errors)
+    from rl_async.sim.calibrate import sim_timings
+    from rl_async.sim.report import format_prediction
+    from rl_async.sim.run import simulate as run_simulation
+
+    from rl_async.controller import RunFailed
+    from rl_async.sim.virtual_loop import SimulationDeadlock
+
+    timings = sim_timings(cfg, _calibration(calibrate), calibrate or "calibration")
+    try:
+        prediction = run_simulation(cfg, report.plan, timings, steps)
+    except (RunFailed, SimulationDeadlock) as exc:  # the simulated run failed, as a real one would
+        click.echo(f"error: the simulated run stopped: {exc}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(prediction))
+    else:
+        click.echo(format_prediction(prediction))
+
+
+def _calibration(path: str | None) -> dict | None:
+    if path is None:
+        return None
+    from rl_async.sim.calibrate import CalibrationError, load_calibration
+
+    try:
+        return load_calibration(path)
+    except CalibrationError as exc:
+        _fail([str(exc)])
 
 
 @main.command(name="validate")

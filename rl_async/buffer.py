@@ -31,11 +31,11 @@ import math
 
 import heapq
 import itertools
-import time
 from collections.abc import Callable
 from typing import Any
 
 from rl_async.asyncio_waiters import Waiters as _Waiters
+from rl_async.clock import now as clock_now
 from rl_async.queue_metrics import QueueMetrics
 from rl_async.types import Group
 
@@ -90,7 +90,7 @@ class CompletedBuffer:
         *,
         on_insert: Callable[[Group], None] | None = None,
         on_deliver: Callable[[list[Group]], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = clock_now,
     ) -> None:
         if isinstance(capacity_groups, int) and not isinstance(capacity_groups, bool) \
                 and capacity_groups == 0:

@@ -273,6 +273,9 @@ class SyntheticSection(Section):
     response_len_median: PositiveFloat = 512.0
     response_len_sigma: float = Field(1.0, ge=0)
     vocab_size: PositiveInt = 32_000
+    # Prompt tokens per request in `rl-async simulate` (prefill work); dry runs use the
+    # task's own prompts. A calibration file's measured mean replaces it.
+    prompt_tokens: PositiveInt = 256
     # Publication: the trainer "publishes" this many bytes in publication.bucket_bytes buckets
     # (default: Qwen2.5-7B in bf16), taking bytes / weight_sync_bytes_per_s per bucket.
     publish_bytes: int = Field(15_230_000_000, ge=0)

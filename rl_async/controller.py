@@ -16,10 +16,11 @@ task, and a dead producer, engine, reward or buffer actor ends the run with its 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
+from rl_async import clock
+from rl_async.calibration import CalibrationStats
 from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.faults import quote
@@ -117,6 +118,8 @@ class Controller:
         self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                                    cfg.publication.timeout_s)
         self.progress = Progress(step=start_step, version=start_version)
+        # What `rl-async simulate --calibrate` reads back from the summary.
+        self.calibration = CalibrationStats()
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
         self._start = 0.0
@@ -129,7 +132,7 @@ class Controller:
         self._checkpoint_step: int | None = start_step if start_step else None
 
     async def run(self) -> dict[str, Any]:
-        self._start = time.monotonic()
+        self._start = clock.now()
         p = self.progress
         p.phase = "eval"
         p.initial_eval = await self._evaluate()
@@ -157,27 +160,29 @@ class Controller:
         p = self.progress
         if generates_per_collection(self.cfg, self.plan):
             await self.fleet.producer_set_target(self.plan.rollout_batch_size)
-        wait_start = time.monotonic()
+        wait_start = clock.now()
         groups = canonical_order(await self._get_collection())
-        wait = time.monotonic() - wait_start
-        train_start = time.monotonic()
+        wait = clock.now() - wait_start
+        train_start = clock.now()
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),
                                             f"training the collection at version {self.version}")
-        train_s = time.monotonic() - train_start
+        train_s = clock.now() - train_start
         trained_at = self.version
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
         await self.fleet.record_trained(p.step, trained_at, groups)
-        pub_start = time.monotonic()
+        pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
         fleet_metrics = asyncio.ensure_future(self.fleet.metrics())
         pub_metrics = await self._publish(self.version)
-        pub_s = time.monotonic() - pub_start
+        pub_s = clock.now() - pub_start
         metrics = {**train_metrics, **pub_metrics, **await fleet_metrics}
         metrics.update(self._collection_metrics(groups, wait))
-        metrics.update(orchestration_metrics(time.monotonic() - wait_start, wait, train_s,
+        metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
+        self.calibration.observe_collection(groups, train_s)
+        self.calibration.observe_metrics(metrics)
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
@@ -227,7 +232,7 @@ class Controller:
         p.staleness_groups += len(ages)
         p.trainer_wait_seconds += wait
         p.useful_tokens += tokens
-        elapsed = max(1e-9, time.monotonic() - self._start)
+        elapsed = max(1e-9, clock.now() - self._start)
         return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
                 "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
@@ -240,7 +245,7 @@ class Controller:
                                                           self.version))
         stall_s = self.cfg.run.stall_timeout_s
         tick = min(self.watchdog_s, stall_s / 4)
-        marker, since = await self.fleet.progress_marker(), time.monotonic()
+        marker, since = await self.fleet.progress_marker(), clock.now()
         while True:
             pub = self._pub_task
             if pub is not None and pub.done() and pub.exception() is not None:
@@ -261,7 +266,7 @@ class Controller:
                                 ) from exc
             if done:
                 continue  # the publication finished; keep waiting for the collection
-            now, current = time.monotonic(), await self.fleet.progress_marker()
+            now, current = clock.now(), await self.fleet.progress_marker()
             if current != marker:
                 marker, since = current, now
             elif now - since > stall_s:
@@ -310,7 +315,7 @@ class Controller:
             raise RunFailed(f"stalled: the evaluation at step {p.step} did not finish within "
                             f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
                             f"each stage holds: {await self.fleet.diagnosis()}") from None
-        wall = time.monotonic() - self._start
+        wall = clock.now() - self._start
         p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
         p.eval_first = p.eval_first or dict(result)
         p.eval_last = dict(result)
@@ -336,7 +341,7 @@ class Controller:
 
     async def summary(self) -> dict[str, Any]:
         p = self.progress
-        wall = time.monotonic() - self._start
+        wall = clock.now() - self._start
         return {
             "run": {"name": self.cfg.run.name, "seed": self.cfg.run.seed,
                     "mode": "async" if self.cfg.fully_async else "sync",
@@ -353,6 +358,9 @@ class Controller:
                           "max_weight_staleness": self.plan.max_weight_staleness},
             "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
+            "calibration": self.calibration.to_dict(
+                wall, self.plan.engines, self.plan.max_running_requests,
+                self.cfg.rollout.max_response_len),
         }
 
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from rl_async import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.faults import FailureBudget
 from rl_async.seeding import sample_seed
@@ -70,6 +70,10 @@ class ProducerStats:
     aborted_groups: int = 0
     failed_groups: int = 0
     generation_seconds: float = 0.0
+    # Time with at least one generation request outstanding: generation_seconds over it is
+    # the mean requests in flight while generating (the simulator's calibration, which must
+    # not count publication pauses and evals as light load).
+    generation_busy_seconds: float = 0.0
     put_wait_seconds: float = 0.0
     # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
     # responses whose tokens span more than one policy version.
@@ -132,6 +136,7 @@ class Producer:
         self._open: _OpenGroup | None = None
         self._groups_in_flight = 0
         self._samples_in_flight = 0
+        self._busy_since = 0.0
         self._idle = asyncio.Event()
         self._idle.set()
         self._target: float = math.inf  # groups to insert before stopping (sync mode)
@@ -337,17 +342,20 @@ class Producer:
                     await self._engine_ready()
                 if self._gen_gate.is_set():
                     break
+            if self._samples_in_flight == 0:
+                self._busy_since = clock.now()
             self._samples_in_flight += 1
             self._gen_idle.clear()
             self.stats.submitted_samples += 1
-            start = time.monotonic()
+            start = clock.now()
             try:
                 out = await self._generate(sample, og.group.group_id)
             finally:
                 self._samples_in_flight -= 1
                 if self._samples_in_flight == 0:
                     self._gen_idle.set()
-                self.stats.generation_seconds += time.monotonic() - start
+                    self.stats.generation_busy_seconds += clock.now() - self._busy_since
+                self.stats.generation_seconds += clock.now() - start
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(
                 f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "
@@ -397,13 +405,13 @@ class Producer:
     async def _insert(self, group: Group) -> None:
         self._pending_puts += 1
         self._update_put_gate()
-        start = time.monotonic()
+        start = clock.now()
         try:
             room = await self._put(group)
             self._known_room = room if isinstance(room, (int, float)) else 0
             self.stats.inserted_groups += 1
         finally:
-            self.stats.put_wait_seconds += time.monotonic() - start
+            self.stats.put_wait_seconds += clock.now() - start
             self._pending_puts -= 1
             self._update_put_gate()
 

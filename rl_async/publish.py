@@ -38,9 +38,10 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
-import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Protocol, TypeVar
+
+from rl_async import clock
 
 T = TypeVar("T")
 
@@ -168,13 +169,13 @@ class Publisher:
 
     async def _publish(self, version: int, ops: PublicationOps,
                        snapshotted: asyncio.Event | None) -> PublicationResult:
-        start = time.monotonic()
+        start = clock.now()
         drained = True
         self._enter(PubState.SNAPSHOTTING)
         await ops.snapshot()
         if snapshotted is not None:
             snapshotted.set()
-        snap_at = time.monotonic()
+        snap_at = clock.now()
         self._enter(PubState.PAUSING)
         if self.refresh_mode == "off":
             await ops.stop_submissions()
@@ -189,14 +190,14 @@ class Publisher:
                         f"abort; not updating weights under them")
         else:
             await ops.pause_engines("retract")
-        paused_at = time.monotonic()
+        paused_at = clock.now()
         self._enter(PubState.TRANSFERRING)
         sent = await ops.send(version, self._on_bucket)
-        transferred_at = time.monotonic()
+        transferred_at = clock.now()
         self._enter(PubState.RESUMING)
         await ops.continue_engines()
         await ops.resume_submissions()
-        end = time.monotonic()
+        end = clock.now()
         self._enter(PubState.IDLE)
         return PublicationResult(
             version=version, publication_seconds=end - start, paused_seconds=end - snap_at,

@@ -37,10 +37,10 @@ import heapq
 import itertools
 import math
 import random
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from rl_async import clock
 from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.timing import EngineTiming, ResponseLengths, TransferTiming
@@ -313,7 +313,7 @@ class SyntheticEngine(Engine):
             prefill = self._admit() + (self._seg.prefill_left if self._seg else 0.0)
             steps = max(0.0, self._heap[0][0] - self._step) if self._heap else 0.0
             step_s = self.timing.step_seconds(len(self._running), int(self._kv_tokens()))
-            self._seg = _Segment(time.monotonic(), prefill, step_s, steps)
+            self._seg = _Segment(clock.now(), prefill, step_s, steps)
             dt = (prefill + steps * step_s) * self.scale
             self._wake.clear()
             if dt <= 0:
@@ -330,7 +330,7 @@ class SyntheticEngine(Engine):
         seg = self._seg
         if seg is None:
             return
-        now = time.monotonic()
+        now = clock.now()
         elapsed = math.inf if self.scale == 0 else (now - seg.t0) / self.scale
         seg.t0 = now
         used = min(seg.prefill_left, elapsed)

@@ -1,0 +1,145 @@
+"""What a real run measures for the simulator: the summary's `calibration` section.
+
+The controller already sees everything the simulator's timing models need, so it records it
+while it runs (no extra actor calls):
+
+- response lengths of delivered samples: count, mean, quantiles, and the mean / sigma of
+  log length (the lognormal the simulator draws from);
+- prompt tokens per sample (prefill work);
+- trainer seconds per trained sample (the whole trainer group's time for a collection);
+- the controller loop's own seconds per optimizer step (actor round trips, logging: what
+  the simulated fleet otherwise takes as free), and the collection's transport: the
+  controller's wait for a collection minus the buffer's own wait for its groups;
+- publications: mean seconds, drain and transfer seconds, bytes, effective bytes/s;
+- engines: the producer's cumulative generated tokens and generation seconds (time inside
+  generate calls, summed over requests) and the time any request was outstanding. The first
+  two give the per-request token rate; generation seconds over busy seconds and engines, the
+  mean requests in flight per engine while generating. With
+  `max_running_requests` that gives one operating point of the decode curve (see
+  rl_async.sim.calibrate).
+
+Reading it back is rl_async.sim.calibrate's job; this module only observes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rl_async.types import Group
+
+BUFFER_WAIT = "rollout/fully_async/completed_queue/consumer_wait_seconds"
+MAX_LENGTHS = 20_000  # lengths kept for quantiles (the first ones; the log moments use all)
+
+
+def _quantile(sorted_values: list[int], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[i])
+
+
+class CalibrationStats:
+    def __init__(self) -> None:
+        self.n = 0
+        self.len_sum = 0
+        self.log_sum = 0.0
+        self.log_sq = 0.0
+        self.prompt_sum = 0
+        self.lengths: list[int] = []
+        self.train_seconds = 0.0
+        self.train_samples = 0
+        self.collections = 0
+        self.pubs = 0
+        self.pub = dict.fromkeys(("publication_seconds", "drain_seconds", "transfer_seconds",
+                                  "paused_seconds", "bytes"), 0.0)
+        self.generated_tokens = 0.0
+        self.generation_seconds = 0.0
+        self.generation_busy_seconds = 0.0
+        self.controller_seconds = 0.0   # the loop's own time (actor calls, logging) per step
+        self.controller_samples = 0
+        # The controller's wait for collections vs the buffer's own wait for groups: the
+        # difference is the get's transport (actor round trip, moving the groups).
+        self.trainer_wait = 0.0
+        self.buffer_wait: float | None = None
+
+    def observe_collection(self, groups: list[Group], train_seconds: float) -> None:
+        for g in groups:
+            for s in g.samples:
+                n = len(s.response_ids)
+                self.n += 1
+                self.len_sum += n
+                self.prompt_sum += len(s.prompt_ids)
+                if n > 0:
+                    self.log_sum += math.log(n)
+                    self.log_sq += math.log(n) ** 2
+                if len(self.lengths) < MAX_LENGTHS:
+                    self.lengths.append(n)
+            self.train_samples += g.size
+        self.train_seconds += train_seconds
+        self.collections += 1
+
+    def observe_metrics(self, metrics: dict[str, float]) -> None:
+        """One collection's logged metrics: publication results (when one finished) and the
+        producer's cumulative counters (the latest values win)."""
+        self.trainer_wait += float(metrics.get("train/trainer_wait_seconds", 0.0))
+        if BUFFER_WAIT in metrics:
+            self.buffer_wait = (self.buffer_wait or 0.0) + float(metrics[BUFFER_WAIT])
+        if "perf/orchestration_seconds_per_step" in metrics:
+            self.controller_seconds += float(metrics["perf/orchestration_seconds_per_step"])
+            self.controller_samples += 1
+        if "publish/publication_seconds" in metrics:
+            self.pubs += 1
+            for key in self.pub:
+                self.pub[key] += float(metrics.get(f"publish/{key}", 0.0))
+        if "producer/generation_seconds" in metrics:
+            self.generation_seconds = float(metrics["producer/generation_seconds"])
+            self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
+            self.generation_busy_seconds = float(
+                metrics.get("producer/generation_busy_seconds", 0.0))
+
+    def to_dict(self, wall_seconds: float, engines: int, max_running_requests: int,
+                max_response_len: int) -> dict[str, Any]:
+        lengths = sorted(self.lengths)
+        log_mean = self.log_sum / self.n if self.n else 0.0
+        log_var = self.log_sq / self.n - log_mean ** 2 if self.n else 0.0
+        pubs = max(1, self.pubs)
+        transfer = self.pub["transfer_seconds"] / pubs
+        nbytes = self.pub["bytes"] / pubs
+        # While generating (not over the wall time: publication pauses and evaluations
+        # would read as light load).
+        busy = self.generation_busy_seconds or wall_seconds
+        in_flight = self.generation_seconds / (busy * engines) if busy > 0 and engines else 0.0
+        return {
+            "source": "rl-async run: the controller's observations of this run",
+            "response_length": {
+                "samples": self.n, "mean": self.len_sum / max(1, self.n),
+                "log_mean": log_mean, "log_sigma": math.sqrt(max(0.0, log_var)),
+                "p50": _quantile(lengths, 0.5), "p90": _quantile(lengths, 0.9),
+                "p99": _quantile(lengths, 0.99), "max": float(lengths[-1]) if lengths else 0.0,
+                "capped_fraction": (sum(1 for n in lengths if n >= max_response_len)
+                                    / max(1, len(lengths))),
+                "max_response_len": max_response_len},
+            "prompt_tokens_mean": self.prompt_sum / max(1, self.n),
+            "trainer": {"seconds_per_sample": self.train_seconds / max(1, self.train_samples),
+                        "collections": self.collections, "samples": self.train_samples},
+            "controller_seconds_per_step": (self.controller_seconds
+                                            / max(1, self.controller_samples)),
+            "collection_transport_seconds": (
+                None if self.buffer_wait is None
+                else max(0.0, self.trainer_wait - self.buffer_wait) / max(1, self.collections)),
+            "publication": {"count": self.pubs,
+                            "mean_seconds": self.pub["publication_seconds"] / pubs,
+                            "mean_drain_seconds": self.pub["drain_seconds"] / pubs,
+                            "mean_transfer_seconds": transfer,
+                            "mean_paused_seconds": self.pub["paused_seconds"] / pubs,
+                            "bytes": nbytes,
+                            "bytes_per_s": nbytes / transfer if transfer > 0 else None},
+            "engines": {"count": engines, "max_running_requests": max_running_requests,
+                        "generated_tokens": self.generated_tokens,
+                        "generation_seconds": self.generation_seconds,
+                        "generation_busy_seconds": self.generation_busy_seconds,
+                        "per_request_tokens_per_s": (self.generated_tokens / self.generation_seconds
+                                                     if self.generation_seconds > 0 else None),
+                        "mean_in_flight_per_engine": in_flight},
+        }

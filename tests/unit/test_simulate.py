@@ -1,0 +1,232 @@
+"""The simulator: the virtual clock, the simulated fleet of the real core, calibration, CLI."""
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl_async.calibration import CalibrationStats
+from rl_async.capacity import plan_capacity
+from rl_async.config_load import load_config
+from rl_async.sim.calibrate import SYNTHETIC, sim_timings
+from rl_async.sim.run import simulate
+from rl_async.sim.virtual_loop import SimulationDeadlock, VirtualClockLoop, run_virtual
+from rl_async.types import Group, Sample
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCAL = ROOT / "cluster_configs" / "local.toml"
+DEV = ROOT / "cluster_configs" / "dev.toml"
+# Small but realistic: 2 engines of 16 slots, responses of up to 512 tokens, default timings.
+SMALL = ("cluster.cpu_engines=2", "sglang.max_running_requests=16", "rollout.rollout_batch_size=4",
+         "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+         "rollout.max_response_len=512", "task.num_eval_prompts=8")
+
+
+def predict(path, *overrides, steps=6, calibration=None):
+    cfg = load_config(path, overrides)
+    return simulate(cfg, plan_capacity(cfg)[0], sim_timings(cfg, calibration), steps)
+
+
+# ---- the virtual clock ------------------------------------------------------------------------
+def test_virtual_clock_jumps_to_timers_and_keeps_asyncio_semantics():
+    async def main():
+        loop = asyncio.get_running_loop()
+        assert loop.time() == 0.0
+
+        async def sleeper(d):
+            await asyncio.sleep(d)
+            return loop.time()
+
+        times = await asyncio.gather(sleeper(3600), sleeper(5), sleeper(0.25))
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.Event().wait(), 10)
+        return times, loop.time()
+
+    times, end = run_virtual(main())
+    assert times == [3600, 5, 0.25]
+    assert end == 3610
+
+
+def test_virtual_clock_reports_a_deadlock_instead_of_hanging():
+    async def stuck():
+        await asyncio.Event().wait()
+
+    with pytest.raises(SimulationDeadlock, match="no timer is scheduled"):
+        run_virtual(stuck())
+
+
+# ---- the simulated fleet -----------------------------------------------------------------------
+def test_sync_mode_has_zero_staleness_and_no_discards():
+    p = predict(DEV, *SMALL)
+    assert p["simulated_steps"] == 6
+    assert p["mean_staleness"] == 0 and p["max_staleness"] == 0
+    assert p["dropped_samples_fraction"] == 0 and p["discarded_groups_fraction"] == 0
+    assert p["ledger"]["delivered_groups"] == 6 * 4
+
+
+def test_generation_bound_config_predicts_high_trainer_wait():
+    # One engine slot per engine and an instant trainer: generation is all there is.
+    gen_bound = predict(LOCAL, *SMALL, "sglang.max_running_requests=1",
+                        "synthetic.train_seconds_per_sample=0")
+    train_bound = predict(LOCAL, *SMALL, "synthetic.train_seconds_per_sample=5")
+    assert gen_bound["trainer_wait_fraction"] > 0.5
+    assert gen_bound["trainer_wait_fraction"] > train_bound["trainer_wait_fraction"]
+    assert train_bound["generation_idle_fraction"] > gen_bound["generation_idle_fraction"]
+
+
+@pytest.mark.parametrize("overrides", [
+    (), ("async.buffer_overflow=evict", "async.max_weight_staleness=1"),
+    ("async.unused_samples_handler=drop", "async.max_weight_staleness=0"),
+    ("async.rollout_submission_granularity=group", "publication.drain_timeout_s=0.5"),
+], ids=["default", "evict", "drop", "group-drain-aborts"])
+def test_simulated_ledger_accounts_for_every_prompt(overrides):
+    p = predict(LOCAL, *SMALL, *overrides)
+    led = p["ledger"]
+    assert led["unaccounted"] == 0 and led["in_flight_groups"] == 0
+    ended = sum(led[k] for k in ("delivered_groups", "discarded_groups", "evicted_groups",
+                                 "aborted_groups", "filtered_groups", "failed_groups"))
+    assert led["submitted_groups"] == ended + led["buffered_groups"]
+    # the per-length tallies count the same samples the ledger counts as groups
+    rows = p["by_response_length"].values()
+    assert sum(r["delivered"] for r in rows) == 4 * led["delivered_groups"]
+    # an attempt past async.max_retries ends as failed, not discarded / evicted / aborted
+    lost = sum(r[k] for r in rows for k in ("dropped", "evicted", "aborted"))
+    assert lost == 4 * sum(led[k] for k in ("discarded_groups", "evicted_groups",
+                                            "aborted_groups", "failed_groups"))
+    assert sum(p["staleness_histogram"].values()) == led["delivered_groups"]
+
+
+def test_same_seed_same_prediction():
+    a, b = predict(LOCAL, *SMALL), predict(LOCAL, *SMALL)
+    for key in ("trainer_wait_fraction", "mean_staleness", "simulated_seconds", "ledger"):
+        assert a[key] == b[key]
+
+
+# ---- calibration ---------------------------------------------------------------------------------
+def _group(lengths):
+    return Group("g", [Sample("g", response_ids=[1] * n, prompt_ids=[1] * 10) for n in lengths])
+
+
+def test_run_calibration_records_what_the_simulator_reads():
+    stats = CalibrationStats()
+    stats.observe_collection([_group([100, 100, 400, 400])], train_seconds=2.0)
+    stats.observe_metrics({"publish/publication_seconds": 3.0, "publish/transfer_seconds": 2.0,
+                           "publish/drain_seconds": 1.0, "publish/paused_seconds": 3.0,
+                           "publish/bytes": 4e9, "producer/generation_seconds": 80.0,
+                           "producer/generated_tokens": 4000.0,
+                           "producer/generation_busy_seconds": 10.0,
+                           "perf/orchestration_seconds_per_step": 0.25,
+                           "train/trainer_wait_seconds": 1.5,
+                           "rollout/fully_async/completed_queue/consumer_wait_seconds": 1.0})
+    cal = stats.to_dict(wall_seconds=10.0, engines=2, max_running_requests=8,
+                        max_response_len=512)
+    r = cal["response_length"]
+    assert r["samples"] == 4 and r["mean"] == 250 and r["p50"] == 100 and r["max"] == 400
+    assert math.isclose(r["log_mean"], math.log(200))
+    assert cal["trainer"]["seconds_per_sample"] == 0.5
+    assert cal["controller_seconds_per_step"] == 0.25
+    assert cal["collection_transport_seconds"] == 0.5  # wait 1.5 s, of which 1 s in the buffer
+    assert cal["publication"]["bytes_per_s"] == 2e9
+    e = cal["engines"]
+    assert e["per_request_tokens_per_s"] == 50 and e["mean_in_flight_per_engine"] == 4
+
+    cfg = load_config(LOCAL, SMALL)
+    t = sim_timings(cfg, cal, "run.json")
+    assert t.lengths.median == pytest.approx(200) and t.trainer.seconds_per_sample == 0.5
+    assert t.publish_bytes == 4e9 and t.transfer.bytes_per_s == 2e9
+    assert t.prompt_tokens == 10 and t.controller_seconds_per_step == 0.25
+    assert t.collection_transport_s == 0.5
+    # 4 requests in flight per engine, all running (8 slots), each at 50 tokens/s
+    kv = int(4 * (10 + t.lengths.mean() / 2))
+    assert t.engine.step_seconds(4, kv) == pytest.approx(1 / 50)
+    assert all(src.startswith("measured (run.json)") for src in t.sources.values())
+    defaults = sim_timings(cfg).sources
+    assert defaults.pop("controller").startswith("not modelled")
+    assert defaults.pop("collection_transport").startswith("not modelled")
+    assert set(defaults.values()) == {SYNTHETIC}
+
+
+def test_every_run_summary_carries_a_calibration_section():
+    from inprocess_fleet import Disk, InProcessFleet
+
+    from rl_async.controller import Controller
+
+    cfg = load_config(LOCAL, ["run.max_steps=3", "rollout.rollout_batch_size=2",
+                              "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
+                              "sglang.max_running_requests=2", "wandb.mode=disabled"])
+    plan = plan_capacity(cfg)[0]
+    fleet = InProcessFleet(cfg, plan, Disk(), seed=0)
+    summary = asyncio.run(Controller(cfg, plan, fleet, lambda m, s: None).run())
+    cal = summary["calibration"]
+    assert cal["response_length"]["samples"] == 3 * 4  # the fake engine answers 2 tokens
+    assert cal["response_length"]["p50"] == 2 and cal["prompt_tokens_mean"] == 2
+    assert cal["trainer"]["samples"] == 12 and cal["trainer"]["collections"] == 3
+    assert cal["publication"]["count"] >= 2
+    # a summary's calibration is what --calibrate reads
+    assert sim_timings(cfg, cal).sources["trainer"].startswith("measured")
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_simulate_json_is_one_line_with_the_contract_keys():
+    out = cli("simulate", str(LOCAL), "--steps", "4", "--json", *sum((["--set", o] for o in SMALL), []))
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1
+    doc = json.loads(lines[0])
+    for key in ("trainer_wait_fraction", "mean_staleness", "dropped_samples_fraction",
+                "steps_per_hour", "generation_idle_fraction", "staleness_histogram",
+                "publication_pause_seconds", "useful_tokens_per_s", "buffer", "timings_source"):
+        assert key in doc, key
+    assert doc["simulated_steps"] == 4
+
+
+def test_simulate_calibrate_without_calibration_section_names_the_fix(tmp_path):
+    bad = tmp_path / "summary.json"
+    bad.write_text(json.dumps({"steps": 3}))
+    out = cli("simulate", str(LOCAL), "--calibrate", str(bad))
+    assert out.returncode == 2
+    assert "no `calibration` section" in out.stderr and "--summary-json" in out.stderr
+
+
+def test_plan_simulate_adds_simulated_warnings():
+    out = cli("plan", str(LOCAL), "--json", "--simulate", *sum((["--set", o] for o in SMALL), []),
+              "--set", "sglang.max_running_requests=1", "--set", "run.max_steps=4",
+              "--set", "synthetic.train_seconds_per_sample=0")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    codes = [w["code"] for w in doc["warnings"]]
+    assert "SIMULATED" in codes and "SIM_GENERATION_BOUND" in codes
+    assert "trainer_wait_fraction" in doc["simulation"]
+
+
+def test_a_simulated_stall_fails_like_a_real_run():
+    # the trainer needs 16 samples x 10 s per collection; the stall budget is 5 s (virtual)
+    out = cli("simulate", str(LOCAL), *sum((["--set", o] for o in SMALL), []),
+              "--set", "run.stall_timeout_s=5", "--set", "synthetic.train_seconds_per_sample=10")
+    assert out.returncode == 1
+    assert "the simulated run stopped: stalled" in out.stderr
+    assert "run.stall_timeout_s = 5" in out.stderr
+
+
+def test_core_clock_is_wall_time_in_a_real_loop_and_virtual_in_the_simulator():
+    import time
+
+    from rl_async import clock
+
+    async def read():
+        await asyncio.sleep(100 if isinstance(asyncio.get_running_loop(), VirtualClockLoop)
+                            else 0)
+        return clock.now()
+
+    assert run_virtual(read()) == 100
+    before = time.monotonic()
+    assert asyncio.run(read()) >= before
