@@ -14,8 +14,13 @@
              other engine can generate (all were lost), it gets the last published weights
              at once (RayFleet.catch_up): the next publication would need a collection.
 
-An engine that dies during a weight transfer fails that publication (the transfer cannot
-complete without it); the run then stops with the stage named.
+An engine that dies during a weight transfer (or while the group forms) is `lost` the same
+way; the transfer is redone without it over a new group (actors/fleet_publication.py),
+within the same publication deadline. A replacement is a new incarnation of its slot: the
+group that named its predecessor is never reused for it.
+
+A restart that cannot complete (the replacement does not start, its catch-up fails) stops
+the run naming the engine and both causes: an error in this task must not vanish.
 """
 
 from __future__ import annotations
@@ -81,6 +86,12 @@ class EngineSupervisor:
         self._restarting.add(i)
         try:
             await self._restart(i, cause)
+        except Exception as exc:  # noqa: BLE001 -- it becomes the run's error, quoted
+            self.fatal = RunStopped(
+                f"engine-{i} failed ({quote(cause, 300)}) and replacing it failed too: "
+                f"{type(exc).__name__}: {quote(str(exc), 300)}")
+            await self.fleet.bounded(self.fleet.producer.fail.remote(str(self.fatal)),
+                                     "producer.fail")
         finally:
             self._restarting.discard(i)
 
@@ -102,6 +113,7 @@ class EngineSupervisor:
         await asyncio.wait_for(new.start.remote(), fleet.engine_start_timeout_s)
         async with fleet.members_lock:  # never swapped under a transfer
             fleet.engines[i] = new
+            fleet.incarnations[i] = fleet.incarnations.get(i, 0) + 1
             fleet.down.discard(i)
             fleet.pending_up.add(i)
         await fleet.catch_up()  # at once if nothing else can generate

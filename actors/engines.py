@@ -7,6 +7,7 @@ controller drive either backend the same way.
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import ray
@@ -58,6 +59,7 @@ class EngineActor:
         self.index = index
         self.engine = build_engine(cfg, index, start_version)
         self.monitor = LoopMonitor()
+        self._die_in_transfer = False
 
     async def start(self) -> dict:
         """Launch/attach (SGLang) and report where this engine runs."""
@@ -91,12 +93,14 @@ class EngineActor:
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
-                                        backend: str) -> None:
+                                        backend: str, timeout_s: float | None = None) -> None:
         await self.engine.init_weights_update_group(master_address, master_port, rank_offset,
-                                                    world_size, group_name, backend)
+                                                    world_size, group_name, backend, timeout_s)
 
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str,
                                               weight_version: int | None = None) -> None:
+        if self._die_in_transfer:  # chaos tests: the sender is already broadcasting
+            os.kill(os.getpid(), signal.SIGKILL)
         await self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
                                                           weight_version)
 
@@ -123,6 +127,11 @@ class EngineActor:
             await self.engine.health()
         stalled = getattr(self.engine, "seconds_without_progress", lambda: 0.0)()
         return {"index": self.index, "pid": os.getpid(), "seconds_without_progress": stalled}
+
+    def debug_die_in_transfer(self) -> None:
+        """Chaos tests: SIGKILL this engine's process at the start of its next weight receive,
+        while trainer rank 0 (and every other engine) is inside that broadcast."""
+        self._die_in_transfer = True
 
     def debug_block(self, seconds: float) -> None:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,

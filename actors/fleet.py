@@ -84,8 +84,9 @@ class RayFleet(FleetPublication):
         self.pending_up: set[int] = set()
         self.members_lock = asyncio.Lock()
         self.fault_log: list[dict] = []
-        self._group = (PUBLICATION_GROUP, [])  # (name, engine indices)
+        self._group = (PUBLICATION_GROUP, None)  # (name, [(engine, incarnation)]); none yet
         self._group_generation = 0
+        self.incarnations: dict[int, int] = {}  # engine index -> replacements so far
         self.supervisor: EngineSupervisor | None = None
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
         # The policy version engines hold (a replacement samples from a fresh seed stream).
@@ -144,10 +145,9 @@ class RayFleet(FleetPublication):
             await self.source.load_state_dict.remote(r.ledger)
             ckpts.trim_trained_log(self.run_dir, r.step)
             version = r.version
-        await self._init_publication_group()
         self.eval_prompts = await self.source.get_eval_prompts.remote()
         # Engines start from exactly the trainer's (restored) weights; under the publication
-        # deadline.
+        # deadline. The send forms the publication group first (no members yet).
         await Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                         cfg.publication.timeout_s).transfer(version, self)
         await self.buffer.set_version.remote(version)

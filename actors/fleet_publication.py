@@ -4,7 +4,14 @@ members, pause / transfer / resume over the engines that are up, checksum verifi
 Members change under fault tolerance (actors/engine_supervisor.py): an engine that is down
 is left out, a replacement joins when the group is re-formed under a new name (a formed
 torch.distributed group cannot take a new member), and it rejoins routing once it holds
-the published version.
+the published version. Members are engine *incarnations*, not slots: a replacement at the
+same index never joined the old group, so that group is stale too.
+
+An engine that dies while the group forms or during a broadcast breaks the collective for
+everyone. Gloo cannot abort a pending receive, so every member's group carries the deadline
+publication.timeout_s / 3: the trainer's send errors at once (the socket resets), a survivor
+whose bytes never came errors at that deadline, and the transfer is redone, without the dead
+engine, over a new group.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ SEND_ATTEMPTS = 3  # a transfer is redone without engines that died during it
 
 
 class FleetPublication:
-    async def _init_publication_group(self, members: list[int] | None = None) -> None:
+    def _incarnations(self, engines: list[int]) -> list[tuple[int, int]]:
+        return [(i, self.incarnations.get(i, 0)) for i in engines]
+
+    async def _init_publication_group(self, members: list[int]) -> dict[int, str]:
         """(Re-)form the weight-publication group: trainer rank 0 and the engines in
-        `members` (all by default). A restarted engine cannot join a formed group, so a
-        change of members forms a new group under a new name (RayFleet.send)."""
-        members = list(range(len(self.engines))) if members is None else members
+        `members`. A restarted engine cannot join a formed group, so a change of members
+        forms a new group under a new name (RayFleet.send). Returns {engine: cause} for
+        engines that died meanwhile (the group is then not formed), else {}."""
         self._group_generation += 1
         name = f"{PUBLICATION_GROUP}-{self._group_generation}"
         addr, port = await self.trainers[0].address.remote()
@@ -36,15 +46,20 @@ class FleetPublication:
         # The group's own timeout: a broadcast stuck on a peer that hangs or died errors
         # (gloo) or is aborted by NCCL's watchdog after a third of the publication deadline,
         # not after 30 min, which leaves the deadline room to redo the transfer without
-        # that engine (SEND_ATTEMPTS).
+        # that engine (SEND_ATTEMPTS). Engines get it too: it bounds their receives.
         timeout_s = self.cfg.publication.timeout_s / 3
-        await asyncio.gather(
+        trainer, *engines = await asyncio.gather(
             self.trainers[0].init_publication_group.remote(addr, port, world, backend,
                                                            timeout_s, name),
             *(self.engines[m].init_weights_update_group.remote(addr, port, 1 + k * tp, world,
-                                                               name, backend)
-              for k, m in enumerate(members)))
-        self._group = (name, members)
+                                                               name, backend, timeout_s)
+              for k, m in enumerate(members)), return_exceptions=True)
+        dead = _deaths(members, engines, "while joining the weight-publication group")
+        if dead:  # the others' rendezvous failed for want of it: their errors say nothing
+            return dead
+        _raise_first((trainer, *engines))
+        self._group = (name, self._incarnations(members))
+        return {}
 
     async def stop_submissions(self) -> None:
         await self.bounded(self.producer.pause_generation.remote(), "producer.pause_generation")
@@ -119,17 +134,18 @@ class FleetPublication:
     async def _send_locked(self, version: int, progress: BucketProgress | None) -> int:
         self.version_hint = version
         for _attempt in range(SEND_ATTEMPTS):
-            live = self.live_engines()
-            if live != self._group[1]:
-                await self._init_publication_group(live)
-            sent, dead = await self._broadcast(version, live, progress)
+            live, dead = self.live_engines(), {}
+            if self._incarnations(live) != self._group[1]:
+                dead = await self._init_publication_group(live)
+            if not dead:
+                sent, dead = await self._broadcast(version, live, progress)
             if not dead:
                 break
             for i, cause in dead.items():
                 await self.lost(i, cause)
         else:
             raise RuntimeError(f"weight transfer of version {version}: engines kept dying "
-                               f"during {SEND_ATTEMPTS} attempts")
+                               f"during {SEND_ATTEMPTS} attempts; last: {dead}")
         if self.cfg.publication.verify_checksum:
             await self.verify_weights(live)
         for i in sorted(self.pending_up & set(live)):
@@ -150,13 +166,10 @@ class FleetPublication:
                 *(self.engines[m].update_weights_from_distributed.remote(
                     names, dtypes, shapes, name, version if last else None) for m in live),
                 return_exceptions=True)
-            dead = {m: f"the actor died during the weight transfer: {r}"
-                    for m, r in zip(live, engines) if isinstance(r, RayActorError)}
+            dead = _deaths(live, engines, "during the weight transfer")
             if dead:  # the collective is broken for everyone: redo it without them
                 return sent, dead
-            for r in (trainer, *engines):
-                if isinstance(r, BaseException):
-                    raise r
+            _raise_first((trainer, *engines))
             sent += nbytes
         return sent, {}
 
@@ -172,3 +185,16 @@ class FleetPublication:
         if bad:
             raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "
                                f"publication (checksum mismatch)")
+
+
+def _deaths(engines: list[int], results: list, when: str) -> dict[int, str]:
+    """{engine: cause} for the calls that failed because the engine's actor died. The
+    others' errors (a reset socket, a receive past the group deadline) are the consequence."""
+    return {i: f"the actor died {when}: {r}" for i, r in zip(engines, results)
+            if isinstance(r, RayActorError)}
+
+
+def _raise_first(results) -> None:
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r

@@ -127,7 +127,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
-                                        backend: str) -> None: ...
+                                        backend: str, timeout_s: float | None = None
+                                        ) -> None:
+        """`timeout_s` bounds the rendezvous and every receive on the group: a receive whose
+        sender failed mid-broadcast (a peer died) errors then instead of blocking the
+        engine, so the fleet can redo the publication over a new group."""
 
     @abc.abstractmethod
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],

@@ -22,11 +22,14 @@ class EngineWeightsMixin:
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
-                                        backend: str) -> None:
+                                        backend: str, timeout_s: float | None = None) -> None:
         # The rendezvous blocks until every rank joined: keep the event loop free meanwhile.
+        # The timeout also bounds each receive: gloo cannot abort a pending receive
+        # (ProcessGroup.abort/shutdown leave it waiting), so it is the only way out of a
+        # broadcast whose sender gave up when another engine died in the middle of it.
         await asyncio.to_thread(collective.init_custom_process_group, backend,
                                 f"tcp://{master_address}:{master_port}", world_size,
-                                rank_offset, group_name)
+                                rank_offset, group_name, timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         collective.destroy_group(group_name)

@@ -284,8 +284,11 @@ class SGLangEngine(Engine):
     # ------------------------------------------------------------------ weights
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
-                                        backend: str) -> None:
-        """Blocks until every rank (the trainer's rank 0 included) has joined the group."""
+                                        backend: str, timeout_s: float | None = None) -> None:
+        """Blocks until every rank (the trainer's rank 0 included) has joined the group.
+        `timeout_s` is not sent (the request of sglang_protocol.init_group_payload has no such
+        field): the server's NCCL group is bounded by NCCL's watchdog, and each HTTP call
+        here by weight_update_timeout_s."""
         payload = proto.init_group_payload(master_address, master_port, rank_offset,
                                            world_size, group_name, backend)
         proto.check_success(await self._weights("/init_weights_update_group", payload),

@@ -228,7 +228,7 @@ class SyntheticEngine(Engine):
     # ---------------------------------------------------------------- weights
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
-                                        backend: str) -> None:
+                                        backend: str, timeout_s: float | None = None) -> None:
         self._group = group_name
         await self._sleep(self.transfer.group_init_s)
 

@@ -12,8 +12,8 @@ import torch.multiprocessing as mp
 
 from rl_async.collective import destroy_group, init_custom_process_group
 from rl_async.engine.models import build_causal_lm, tiny_llama_config
-from rl_async.weights import (bucket_named_tensors, flatten_bucket, unflatten_bucket,
-                              weights_checksum)
+from rl_async.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
+                              unflatten_bucket, weights_checksum)
 
 MIXED = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
          ("b", torch.tensor([1.5, -2.0], dtype=torch.bfloat16)),
@@ -135,3 +135,52 @@ class _Relay:
 
     def put(self, item):
         self.outbox.put(item)
+
+
+# ---- an engine's receive is bounded by the group timeout ---------------------------------
+
+def _silent_sender_or_engine(rank: int, port: int, results, release) -> None:
+    """Rank 0 joins and never sends: a trainer whose broadcast failed on another engine that
+    died. Rank 1 is an embedded engine waiting for that bucket (a survivor)."""
+    torch.set_num_threads(1)
+    if rank == 0:
+        # its own timeout only bounds the rendezvous here: the engine may be slow to build
+        init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "pub", 120)
+        release.get(timeout=120)  # alive and silent until the engine has reported
+        return
+    asyncio.run(_survivor(port, results))
+
+
+async def _survivor(port: int, results) -> None:
+    from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_config=tiny_llama_config()))
+    name, param = next(iter(engine.model.named_parameters()))
+    await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "pub", "gloo", 2.0)
+    try:
+        await engine.update_weights_from_distributed([name], [dtype_name(param.dtype)],
+                                                     [list(param.shape)], "pub", 1)
+        results.put("returned")
+    except RuntimeError as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_an_engine_receive_whose_sender_gave_up_errors_at_the_group_timeout():
+    """Gloo cannot abort a pending receive; the group timeout the fleet passes to engines
+    (publication.timeout_s / 3) is what frees a survivor, so the publication can be redone."""
+    ctx = mp.get_context("spawn")
+    results, release = ctx.Queue(), ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_silent_sender_or_engine, args=(r, port, results, release))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        outcome = results.get(timeout=120)
+        release.put("done")
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert outcome != "returned" and "timed out" in outcome.lower(), outcome
