@@ -281,23 +281,7 @@ def test_the_group_timeout_turns_a_hung_broadcast_into_an_error():
     """publication.timeout_s is also the publication group's collective timeout (actors/
     fleet.py passes it): a broadcast whose peer never joins fails instead of waiting out the
     default (30 minutes under NCCL's watchdog)."""
-    import multiprocessing
-    import socket
+    from two_ranks import run_pair
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results, release = ctx.Queue(), ctx.Queue()
-    procs = [ctx.Process(target=_hung_peer, args=(r, port, 1.0, results, release))
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        outcome = results.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    outcome = run_pair(_hung_peer, 1.0)
     assert outcome != "returned" and "timed out" in outcome.lower(), outcome

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from two_ranks import free_port, run_pair  # tests/ is on the path
 
 from rl_async.collective import destroy_group, init_custom_process_group
 from rl_async.engine.models import build_causal_lm, tiny_llama_config
@@ -49,12 +50,6 @@ def test_checksum_detects_any_change_and_ignores_order():
     changed = [(n, t.clone()) for n, t in MIXED]
     changed[0][1][0, 0] += 1
     assert weights_checksum(changed) != base
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, port: int, ddp_port: int, queue) -> None:
@@ -105,7 +100,7 @@ async def _engine(port: int, queue) -> None:
 def test_distributed_bucketed_update_between_two_processes():
     ctx = mp.get_context("spawn")
     to_engine, results = ctx.Queue(), ctx.Queue()
-    port, ddp_port = _free_port(), _free_port()
+    port, ddp_port = free_port(), free_port()
     procs = [ctx.Process(target=_rank_main, args=(0, port, ddp_port, to_engine)),
              ctx.Process(target=_rank_main, args=(1, port, ddp_port, _Relay(to_engine, results)))]
     for p in procs:
@@ -168,19 +163,5 @@ async def _survivor(port: int, results) -> None:
 def test_an_engine_receive_whose_sender_gave_up_errors_at_the_group_timeout():
     """Gloo cannot abort a pending receive; the group timeout the fleet passes to engines
     (publication.timeout_s / 3) is what frees a survivor, so the publication can be redone."""
-    ctx = mp.get_context("spawn")
-    results, release = ctx.Queue(), ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_silent_sender_or_engine, args=(r, port, results, release))
-             for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        outcome = results.get(timeout=120)
-        release.put("done")
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    outcome = run_pair(_silent_sender_or_engine)
     assert outcome != "returned" and "timed out" in outcome.lower(), outcome
