@@ -25,29 +25,16 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from rl_async import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.faults import FailureBudget
 from rl_async.seeding import sample_seed
+# Re-exported: callers import the limits, stats and filter from here.
+from rl_async.producer_types import ProducerLimits, ProducerStats, zero_variance  # noqa: F401
 from rl_async.types import Group, Sample
-
-
-def zero_variance(group: Group) -> str | None:
-    """`filter.zero_variance`: a group whose rewards are all equal has zero group-normalised
-    advantage everywhere, so it carries no learning signal (dynamic sampling)."""
-    rewards = {s.reward for s in group.samples}
-    return f"zero reward variance (all {next(iter(rewards))})" if len(rewards) == 1 else None
-
-
-@dataclass
-class ProducerLimits:
-    granularity: str          # "group" | "sample"
-    producer_samples: int     # budget in samples, a whole number of groups
-    group_size: int
-    http_slots: int           # global generation semaphore
 
 
 @dataclass
@@ -57,29 +44,6 @@ class _OpenGroup:
     done: int = 0
     aborted: bool = False
     error: BaseException | None = None
-
-
-@dataclass
-class ProducerStats:
-    submitted_samples: int = 0
-    generated_tokens: int = 0
-    aborted_samples: int = 0
-    aborted_tokens: int = 0
-    inserted_groups: int = 0
-    filtered_groups: int = 0
-    aborted_groups: int = 0
-    failed_groups: int = 0
-    generation_seconds: float = 0.0
-    # Time with at least one generation request outstanding: generation_seconds over it is
-    # the mean requests in flight while generating (the simulator's calibration, which must
-    # not count publication pauses and evals as light load).
-    generation_busy_seconds: float = 0.0
-    put_wait_seconds: float = 0.0
-    # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
-    # responses whose tokens span more than one policy version.
-    refreshed_requests: int = 0
-    mixed_version_responses: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Producer:
