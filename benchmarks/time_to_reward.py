@@ -49,10 +49,6 @@ def run_one(path: str, name: str, seed: int, extra: list[str], args) -> dict:
     return summary
 
 
-def median_inf(values: list[float]) -> float:
-    return statistics.median(values)  # +inf sorts last: more than half never -> inf
-
-
 def report(runs: dict[str, list[dict]], fraction: float) -> dict:
     finals = {m: [s["eval"]["curve"][-1][2] for s in ss] for m, ss in runs.items()}
     target = fraction * statistics.median(finals["sync"])
@@ -61,7 +57,8 @@ def report(runs: dict[str, list[dict]], fraction: float) -> dict:
         ttt = [time_to(s["eval"]["curve"], target) for s in summaries]
         ttt = [math.inf if t is None else t for t in ttt]
         out["modes"][mode] = {
-            "median_time_to_target_s": median_inf(ttt),
+            # +inf sorts last: when more than half never get there, the median is +inf
+            "median_time_to_target_s": statistics.median(ttt),
             "time_to_target_s": ttt,
             "final_reward_median": statistics.median(finals[mode]),
             "final_reward_min": min(finals[mode]), "final_reward_max": max(finals[mode]),

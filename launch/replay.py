@@ -36,8 +36,7 @@ def replay(run_dir: str, out: str | None = None) -> dict[str, Any]:
         raise rollouts.ReplayError(f"{run}/trained.jsonl does not reach the checkpoint's step "
                                    f"{meta['step']}; nothing to compare against")
     for e in entries:  # every recording exists before any actor starts
-        if not rollouts.rollout_path(run, e["step"]).is_file():
-            rollouts.read_collection(run, e["step"])  # raises, naming the file and the fix
+        rollouts.require_recorded(run, e["step"])
     started = _init_ray(cfg)
     try:
         return asyncio.run(_replay(cfg, validate(cfg).plan, run, entries, checkpoint, out))

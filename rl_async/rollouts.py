@@ -54,12 +54,18 @@ def group_from_dict(d: dict[str, Any]) -> Group:
     return Group(**{**d, "samples": samples})
 
 
-def read_collection(run_dir: str | os.PathLike, step: int) -> tuple[int, list[Group]]:
-    """(trained_at_version, groups in training order) of the collection that made `step`."""
+def require_recorded(run_dir: str | os.PathLike, step: int) -> Path:
+    """The recording of `step`, or a ReplayError naming the file and the key that makes it."""
     path = rollout_path(run_dir, step)
     if not path.is_file():
         raise ReplayError(f"{path}: no recorded collection for step {step}; the run must be "
                           f"made with run.record_rollouts = true to be replayed")
+    return path
+
+
+def read_collection(run_dir: str | os.PathLike, step: int) -> tuple[int, list[Group]]:
+    """(trained_at_version, groups in training order) of the collection that made `step`."""
+    path = require_recorded(run_dir, step)
     with gzip.open(path, "rb") as f:
         record = json.loads(f.read())
     return int(record["trained_at_version"]), [group_from_dict(g) for g in record["groups"]]
