@@ -6,7 +6,10 @@ One call per collection (this rank's shard of whole groups):
 train_collection(groups, v)
   advantages per group (registry, rl_async.advantages)
   anchor = score every response token with the PRE-update weights   (skipped when
-           use_rollout_logprobs: anchor = behaviour log-probs)
+           use_rollout_logprobs: anchor = behaviour log-probs; and when the collection
+           is ONE optimizer step: the weights cannot change before its micro-batches run,
+           so the anchor is the training forward's own detached log-probs, exactly, and
+           the scoring pass, a third of the step's compute, is not spent)
   for each optimizer step of global_batch_size // world_size samples on this rank:
       zero grads
       for each micro-batch:  (DDP no_sync on all but the last)
@@ -201,6 +204,8 @@ class TorchTrainer:
         if self.config.use_rollout_logprobs:
             for it in items:
                 it.anchor_logprobs = list(it.behavior_logprobs)
+        elif len(items) <= self.per_rank_batch:
+            pass  # one optimizer step: anchor = the training forward, detached (_micro_batch)
         else:
             # The PPO anchor: pre-update weights, scored once before the first step.
             for it, anchor in zip(items, self._score_items(items)):
@@ -269,8 +274,11 @@ class TorchTrainer:
         with self._forward_ctx():
             logprobs_BT, entropy_BT = token_logprobs(model, batch, cfg.temperature,
                                                      with_entropy=cfg.compute_entropy)
+        # No scored anchor: this is the collection's only optimizer step, so the weights
+        # are still the pre-update ones and the anchor is this forward, detached (ratio 1).
+        anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()
         terms = loss_lib.policy_terms(
-            logprobs_BT, batch.anchor_BT, batch.behavior_BT, batch.advantages_BT, batch.mask_BT,
+            logprobs_BT, anchor_BT, batch.behavior_BT, batch.advantages_BT, batch.mask_BT,
             cfg.eps_clip, cfg.eps_clip_high, cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis)
         (terms.token_loss_BT.sum() * scale).backward()
         sums = {k: float(v) for k, v in terms.sums.items()}

@@ -77,6 +77,43 @@ def test_anchor_is_trainer_scoring_and_behavior_is_never_replaced():
     assert trainer.step == 1
 
 
+def test_one_step_collection_reuses_its_forward_as_the_anchor(monkeypatch):
+    """A collection trained in one optimizer step skips the scoring pass (a third of the
+    step): its anchor is the training forward detached, which must give the update a
+    separately scored anchor gives. With two steps per collection, scoring still runs."""
+    groups = make_groups()
+    reference = make()
+    set_behavior_from(reference, groups, offset=-0.3)
+    scored = make()  # same init: anchors scored the old way, before the step
+    real_prepare = scored._prepare
+
+    def prepare_with_scored_anchors(gs):
+        items = real_prepare(gs)
+        for it, anchor in zip(items, scored._score_items(items)):
+            it.anchor_logprobs = anchor
+        return items
+
+    monkeypatch.setattr(scored, "_prepare", prepare_with_scored_anchors)
+    calls = []
+    real_score = reference._score_items
+    monkeypatch.setattr(reference, "_score_items", lambda items: calls.append(1)
+                        or real_score(items))
+    m_ref = reference.train_collection(groups, policy_version=0)
+    m_scored = scored.train_collection(groups, policy_version=0)
+    assert calls == []  # no scoring pass for a one-step collection
+    assert m_ref["train/ratio_max"] == 1.0  # exactly: a is this very forward
+    assert m_ref["train/logprob_mismatch"] == pytest.approx(m_scored["train/logprob_mismatch"],
+                                                             abs=1e-6)
+    for name, p in params(reference).items():
+        torch.testing.assert_close(p, params(scored)[name], atol=1e-6, rtol=1e-5)
+    two_steps = make(global_batch_size=4, micro_batch_size=4)
+    real_two = two_steps._score_items
+    monkeypatch.setattr(two_steps, "_score_items", lambda items: calls.append(1)
+                        or real_two(items))
+    assert two_steps.train_collection(groups, policy_version=0)["train/optimizer_steps"] == 2
+    assert calls == [1]  # the anchor is scored once, before the first of the two steps
+
+
 def test_use_rollout_logprobs_takes_anchor_from_behavior():
     trainer = make(use_rollout_logprobs=True)
     groups = make_groups()
