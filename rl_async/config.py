@@ -228,6 +228,11 @@ class EvalSection(Section):
     # k > 0 adds eval/pass@k (best of k sampled rewards per prompt, the share solved for 0/1
     # rewards) and eval/mean@k (mean of the k), sampled at the rollout settings.
     n_samples: int = Field(0, ge=0)
+    # Mid-run evaluations of an async run: false evaluates while generation goes on (no
+    # publication runs during an evaluation, so every eval response comes from the evaluated
+    # weights, and the trainer finds its next collection ready); true first stops opening
+    # groups and waits for the owned ones to land (an idle pipeline that must refill).
+    drain: bool = False
 
 
 class FilterSection(Section):

@@ -12,7 +12,8 @@ from rl_async.dry_run import dry_run_config
 pytestmark = pytest.mark.ray
 
 # three_node.toml shrunk: 2 TP2 engines, 2 trainer ranks (megatron TP2 -> one data-parallel
-# shard), 2 optimizer updates per collection, an evaluation drain mid-run; fast simulated time.
+# shard), 2 optimizer updates per collection, a mid-run evaluation while generation goes on
+# (eval.drain = false); fast simulated time.
 SHRINK = ["cluster.inference_gpus=4", "cluster.trainer_gpus=2", "cluster.trainer_workers=2",
           "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
           "train.global_batch_size=8", "sglang.max_running_requests=8", "run.max_steps=6",

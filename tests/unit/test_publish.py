@@ -222,6 +222,10 @@ def test_gpu_trainers_never_overlap_publication_with_training():
     assert not publication_overlaps_training(gpu, gpu_plan)
     sync, sync_plan = config(async_={"fully_async": False, "max_weight_staleness": 0})
     assert not publication_overlaps_training(sync, sync_plan)
+    # Lag 1 publishes between steps: overlapping would make the next collection's early
+    # tokens two versions old at their dequeue, past the lag.
+    lag1, lag1_plan = config(async_={"max_weight_staleness": 1})
+    assert not publication_overlaps_training(lag1, lag1_plan)
 
     async def trace(cfg, plan, drain_until_trains=0):
         fleet = FakeFleet(buckets=1, drain_until_trains=drain_until_trains)
@@ -243,6 +247,42 @@ def test_gpu_trainers_never_overlap_publication_with_training():
     assert order(run(trace(cfg, plan, drain_until_trains=3))) == [
         "train:0", "snapshot", "train:1", "resume_submissions", "snapshot", "train:2",
         "resume_submissions", "snapshot", "resume_submissions"]
+
+
+def test_mid_run_evaluation_drains_only_when_asked():
+    """eval.drain = false (default): an async run evaluates while generation goes on, after
+    the publication in flight has landed; true: admission pauses around it."""
+    class Recording(FakeFleet):
+        async def producer_pause_admission(self):
+            self.calls.append("pause_admission")
+
+        async def evaluate(self):
+            self.calls.append("evaluate")
+            return {"reward": 0.0}
+
+    def trace(drain=False):
+        cfg, plan = config(eval={"every_steps": 1, "drain": drain})
+        fleet = Recording(buckets=1)
+        controller = Controller(cfg, plan, fleet, lambda metrics, step: None)
+
+        async def main():
+            try:
+                await controller.run()
+            finally:
+                fleet.producer.cancel()
+        run(main())
+        calls = [c for c in fleet.calls if c in ("evaluate", "pause_admission", "resume_submissions")]
+        return calls, len(controller.progress.eval_curve)
+
+    calls, evals = trace()
+    # initial, after steps 1 and 2 (each after its publication resumed), final after the
+    # shutdown drain (which pauses admission, as it always does)
+    assert evals == 4
+    assert calls[:5] == ["evaluate", "resume_submissions", "evaluate", "resume_submissions",
+                         "evaluate"]
+    assert calls.count("pause_admission") == 1
+    drained, _ = trace(drain=True)
+    assert drained.count("pause_admission") == 3
 
 
 def test_validate_requires_the_deadline_to_cover_the_drain():
