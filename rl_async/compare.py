@@ -29,12 +29,19 @@ def load_summary(path: str | Path) -> dict[str, Any]:
     return summary
 
 
+def mode_of(summary: dict[str, Any]) -> str | None:
+    """'sync' or 'async lag L' (None for a summary that does not say)."""
+    run = summary.get("run")
+    if not run:
+        return None
+    return "sync" if run["mode"] == "sync" else f"async lag {run['max_weight_staleness']}"
+
+
 def label(summary: dict[str, Any], path: str | Path) -> str:
     run = summary.get("run")
     if not run:
         return Path(path).stem
-    mode = "sync" if run["mode"] == "sync" else f"async lag {run['max_weight_staleness']}"
-    return f"{run['name']} ({mode}, seed {run['seed']})"
+    return f"{run['name']} ({mode_of(summary)}, seed {run['seed']})"
 
 
 def time_to(curve: list, target: float) -> float | None:
@@ -53,7 +60,8 @@ def compare(paths: list[str], target: float | None = None) -> dict[str, Any]:
     rows = []
     for path, s in zip(paths, summaries):
         curve = s["eval"]["curve"]
-        rows.append({"run": label(s, path), "path": str(path),
+        rows.append({"run": label(s, path), "mode": mode_of(s) or label(s, path),
+                     "path": str(path),
                      "final_reward": curve[-1][2], "best_reward": max(c[2] for c in curve),
                      "wall_seconds": curve[-1][1], "time_to_target_s": time_to(curve, target),
                      "curve": curve})
@@ -69,10 +77,18 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
+    # One colour per mode (sync, async lag L; or per run when summaries do not say), one
+    # legend entry per mode: seeds of a mode read as a band, modes stay apart.
+    modes = list(dict.fromkeys(row["mode"] for row in result["runs"]))
+    colours = {m: f"C{i % 10}" for i, m in enumerate(modes)}
+    labelled: set[str] = set()
     for row in result["runs"]:
         xs, ys = [c[1] for c in row["curve"]], [c[2] for c in row["curve"]]
-        ax.plot(xs, ys, marker="o", markersize=3, label=row["run"],
-                linestyle="--" if "(sync" in row["run"] else "-")
+        mode = row["mode"]
+        ax.plot(xs, ys, marker="o", markersize=2.5, linewidth=1.2, alpha=0.8,
+                color=colours[mode], label=None if mode in labelled else mode,
+                linestyle="--" if mode == "sync" else "-")
+        labelled.add(mode)
     ax.axhline(result["target_reward"], color="grey", linewidth=0.8, linestyle=":",
                label=f"target {result['target_reward']:.2f}")
     ax.set_xlabel("wall seconds (controller loop, evals included)")
