@@ -93,7 +93,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--lags", default="1,2,4")
     parser.add_argument("--steps", type=int, default=0, help="run.max_steps (0: the files')")
-    parser.add_argument("--every", type=int, default=25, help="eval.every_steps, all modes")
+    parser.add_argument("--every", type=int, default=10, help="eval.every_steps, all modes "
+                        "(time to target is resolved to one eval interval)")
     parser.add_argument("--target-fraction", type=float, default=0.8)
     parser.add_argument("--out", default=None, help="where summaries go (default: temp dir)")
     parser.add_argument("--set", action="append", default=[], help="override, all modes")

@@ -27,6 +27,7 @@ def config(mode: str, lag: int, checkpoint_every: int, drain_timeout: float):
         f"run.max_steps={STEPS}", "rollout.rollout_batch_size=2",
         "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
         "train.micro_batch_size=4", "sglang.max_running_requests=2", "eval.every_steps=2",
+        "async.async_max_concurrent_samples=4",  # the shrunk run sets every limit itself
         f"run.checkpoint_every={checkpoint_every}", "wandb.mode=disabled",
         f"publication.drain_timeout_s={drain_timeout}", *extra])
     report = validate(cfg)
