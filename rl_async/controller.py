@@ -141,6 +141,10 @@ class Controller:
         p = self.progress
         p.phase = "eval"
         p.initial_eval = await self._evaluate()
+        if generates_per_collection(self.cfg, self.plan):
+            # Before the producer starts: with no target it would open groups up to its
+            # whole budget, which may exceed one collection (then sampled ahead and stale).
+            await self.fleet.producer_set_target(0)
         self._producer = await self.fleet.producer_task()
         p.phase = "training"
         try:

@@ -135,8 +135,12 @@ class Producer:
             return False
 
     def set_target(self, groups: float) -> None:
-        """Synchronous mode: insert exactly this many more groups, then stop submitting."""
-        self._target = self.stats.inserted_groups + groups
+        """Synchronous mode: insert exactly this many more groups than every earlier target
+        asked for, then stop submitting. Cumulative, not relative to `inserted_groups`: the
+        controller may ask for the next collection before this producer has seen the reply
+        to the last put of the previous one."""
+        base = self._target if math.isfinite(self._target) else self.stats.inserted_groups
+        self._target = base + groups
 
     async def wait_idle(self) -> None:
         """Wait until no group is in flight (all inserted, aborted or failed)."""

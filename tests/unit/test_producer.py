@@ -137,6 +137,26 @@ def test_sync_target_inserts_exactly_n_groups():
     asyncio.run(main())
 
 
+def test_sync_target_is_cumulative_and_zero_before_the_first_collection():
+    """A budget larger than a collection must not open groups before the first target
+    (they would be sampled ahead and go stale in a synchronous run), and two targets asked
+    back to back add up (the second may come before the first's last put was counted)."""
+    async def main():
+        w = World(group_size=2)
+        p = w.producer("sample", budget=16, http=100)  # room for 8 groups
+        p.set_target(0)
+        task = await run_for(p, 0.1)
+        assert not w.opened and not w.buffer
+        p.set_target(2)
+        p.set_target(1)
+        await asyncio.sleep(0.2)
+        await p.wait_idle()
+        assert len(w.buffer) == len(w.opened) == 3
+        p.stop()
+        await task
+    asyncio.run(main())
+
+
 def test_aborted_group_reported_not_inserted():
     async def main():
         w = World(group_size=2, abort_ids={"g0"})
