@@ -195,7 +195,7 @@ class Controller:
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
-            await self._evaluate_with_drain()
+            await self._evaluate_mid_run()
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self._checkpoint()
@@ -286,7 +286,7 @@ class Controller:
                     f"holds: {await self.fleet.diagnosis()}")
             self.log({"watchdog/no_progress_seconds": now - since}, self.progress.step)
 
-    async def _evaluate_with_drain(self) -> None:
+    async def _evaluate_mid_run(self) -> None:
         """A mid-run evaluation of the current policy, once its publication has landed.
         With eval.drain (and always when nothing is generated ahead, as in sync runs) it is
         a lifecycle drain: open no new group, let owned groups land (in reserved buffer
