@@ -1,13 +1,13 @@
 """Completed-group buffer actor: a thin shell over `rl_async.buffer.CompletedBuffer`.
 
 Every insert, delivery, discard and eviction is reported to the prompt source's ledger,
-and `put`/`get` return only after the ledger acknowledged, so a refused transition raises
-in the caller instead of being lost.
+and `put`/`put_many`/`get` return only after the ledger acknowledged, so a refused transition
+raises in the caller instead of being lost. Reports are queued in the order they happen and
+sent as ONE `apply` call per acknowledgement (the prompt source is a sync actor: one caller's
+calls run in the order sent), not one actor call per group.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import ray
 
@@ -25,7 +25,8 @@ class BufferActor:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, source):
         self.source = source
         self.plan = plan
-        self._pending: list = []
+        self._ops: list[tuple[str, tuple]] = []  # ledger reports not sent yet, in order
+        self._last_ack = None  # the latest apply call sent (later calls finish later)
         self.monitor = LoopMonitor()
         self.ray_calls = 0  # ledger reports sent (orchestration cost per sample)
         a = cfg.async_
@@ -37,13 +38,17 @@ class BufferActor:
             on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]))
 
     def _tell(self, method: str, *args) -> None:
-        self.ray_calls += 1
-        self._pending.append(getattr(self.source, method).remote(*args))
+        self._ops.append((method, args))
 
     async def _acked(self) -> None:
-        refs, self._pending = self._pending, []
-        if refs:
-            await asyncio.gather(*refs)
+        """Send the queued reports as one call and wait for it. With none queued, wait for
+        the latest call sent: a concurrent put/get may have sent this caller's reports."""
+        if self._ops:
+            ops, self._ops = self._ops, []
+            self.ray_calls += 1
+            self._last_ack = self.source.apply.remote(ops)
+        if self._last_ack is not None:
+            await self._last_ack
 
     async def put(self, group: Group) -> float:
         """Insert; returns the room left, so the producer need not stop admitting new groups
@@ -52,6 +57,27 @@ class BufferActor:
         await self.buffer.put(group)
         await self._acked()
         return self.buffer.room()
+
+    async def put_many(self, groups: list[Group]):
+        """The groups a producer finished in one tick, inserted in order in one call and
+        streamed back as lists of (index, room left) once the ledger acknowledged them. A
+        group that must wait for room first releases the ones already in, so their producer
+        permits are not held behind it (SPEC §4 stays per group)."""
+        self.monitor.ensure_started()
+        done: list[int] = []
+        try:
+            for i, group in enumerate(groups):
+                if done and self.buffer.room() < 1:
+                    await self._acked()
+                    yield [(j, self.buffer.room()) for j in done]
+                    done = []
+                await self.buffer.put(group)
+                done.append(i)
+        finally:
+            if done:  # inserted before an error too: acknowledged, then the error
+                await self._acked()
+        if done:
+            yield [(j, self.buffer.room()) for j in done]
 
     async def get(self, n_groups: int, version: int) -> list[Group]:
         groups = await self.buffer.get(n_groups, version)

@@ -54,13 +54,14 @@ class ProducerActor:
         # One batched, streamed call per engine per event-loop tick, one reward call per tick.
         self.gen_batchers = [MicroBatcher(self._engine_stream(i)) for i in range(len(engines))]
         self.score_batcher = MicroBatcher(self._score_batch)
+        self.put_batcher = MicroBatcher(self._put_batch)  # the groups finished in one tick
         self.sampling = sampling_params(cfg)
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),
             next_group=self._call(source, "prompt source", "next_group"),
             generate=self._generate, score=self.score_batcher.submit,
-            put=self._call(buffer, "completed buffer", "put"),
+            put=self.put_batcher.submit,
             on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
                 ref_of(g), "aborted by publication or shutdown"),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
@@ -149,6 +150,14 @@ class ProducerActor:
         except RayActorError as exc:
             raise ActorDied(f"the reward actor died during score_batch: {exc}") from None
         yield list(enumerate(scores))
+
+    async def _put_batch(self, groups: list):
+        self.ray_calls += 1
+        try:
+            async for ref in self.buffer.put_many.remote(groups):
+                yield await ref
+        except RayActorError as exc:
+            raise ActorDied(f"the completed buffer actor died during put_many: {exc}") from None
 
     async def run(self) -> None:
         """The producer loop, until stopped; raises its fatal error, or one a fault policy
@@ -261,6 +270,7 @@ class ProducerActor:
         out.update(self.monitor.metrics("producer"))
         out["producer/ray_calls"] = float(self.ray_calls)
         out.update(self.score_batcher.metrics("producer/reward"))
+        out.update(self.put_batcher.metrics("producer/put"))
         for b in self.gen_batchers:
             for k, v in b.metrics("producer/generate").items():
                 out[k] = out.get(k, 0.0) + v

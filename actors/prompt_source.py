@@ -46,6 +46,16 @@ class PromptSourceActor:
     def get_eval_prompts(self):
         return self.eval_prompts
 
+    # The buffer's reports, sent in order as one call per acknowledgement (actors/buffer.py).
+    BUFFER_REPORTS = frozenset({"mark_buffered", "mark_delivered_all", "record_buffer_discard"})
+
+    def apply(self, ops: list[tuple[str, tuple]]) -> None:
+        for method, args in ops:
+            if method not in self.BUFFER_REPORTS:
+                raise ValueError(f"apply: {method!r} is not a buffer report "
+                                 f"({sorted(self.BUFFER_REPORTS)})")
+            getattr(self, method)(*args)
+
     def mark_buffered(self, ref: Group) -> None:
         self.ledger.mark_buffered(ref)
 

@@ -112,12 +112,16 @@ def steady(out: dict, collection_samples: int) -> dict:
                                          / max(1, last.get("producer/generate/batches", 0)), 2),
             "reward_batch_mean": round(last.get("producer/reward/batched_items", 0)
                                        / max(1, last.get("producer/reward/batches", 0)), 2),
+            "put_batch_mean": round(last.get("producer/put/batched_items", 0)
+                                    / max(1, last.get("producer/put/batches", 0)), 2),
             "unaccounted": out["summary"]["ledger"]["unaccounted"]}
 
 
 def run_orchestration(args) -> dict:
     cfg, report = load_checked("cluster_configs/local.toml", base_overrides(args, "bench-orch") + [
         f"cluster.cpu_engines={args.engines}", f"sglang.max_running_requests={args.max_running}",
+        # the plan's derived budget for this fleet (local.toml pins 64 for its CPU engine)
+        f"async.async_max_concurrent_samples={2 * args.engines * args.max_running}",
         "synthetic.time_scale=0", f"synthetic.response_len_median={args.response_len}",
         f"rollout.max_response_len={2 * args.response_len}",
         f"synthetic.vocab_size=16"] + list(args.set))
@@ -131,8 +135,10 @@ def run_fleet64(args) -> dict:
     this run uses mixed_policy refresh (requests survive updates; their prefix is prefilled
     again, a cost the timing model charges) and 4096-sample collections."""
     engines, running, max_len, median = 64, 256, 1024, 256
+    args.groups = 4096 // args.group_size  # a collection every few seconds, not 2 per second
     cfg, report = load_checked("cluster_configs/local.toml", base_overrides(args, "bench-f64") + [
         f"cluster.cpu_engines={engines}", f"sglang.max_running_requests={running}",
+        f"async.async_max_concurrent_samples={2 * engines * running}",
         "synthetic.time_scale=1", f"synthetic.response_len_median={median}",
         "synthetic.train_seconds_per_sample=0", f"rollout.max_response_len={max_len}",
         "synthetic.vocab_size=16", "refresh.mode=mixed_policy"] + list(args.set))
@@ -155,7 +161,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (collections)")
     parser.add_argument("--engines", type=int, default=8)
     parser.add_argument("--max-running", type=int, default=128)
-    parser.add_argument("--groups", type=int, default=64, help="groups per collection")
+    parser.add_argument("--groups", type=int, default=64,
+                        help="groups per collection (--fleet64: 4096 samples' worth)")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--response-len", type=int, default=16, help="median response tokens")
     parser.add_argument("--raw-calls", type=int, default=20_000)

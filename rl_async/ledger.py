@@ -16,7 +16,9 @@ and ends exactly once in a terminal counter (delivered, discarded, evicted, abor
 failed). The resident counts (in flight, buffered) are not counters: they are read off the
 table of live attempts. `unaccounted = submitted - terminal - resident` is therefore an
 independent conservation check, 0 unless a transition loses or double-counts an attempt. A
-retry is counted only when it is issued. Wire a CompletedBuffer to the ledger with
+retry is counted only when it is issued. `prompt_factory` returns a NEW group of ungenerated
+samples per call: the ledger keeps it as the prompt's original and copies every attempt from
+it. Wire a CompletedBuffer to the ledger with
 `CompletedBuffer(..., **ledger.buffer_callbacks())` so insertion, discard, eviction and delivery
 are recorded synchronously at the moment they happen.
 """
@@ -155,7 +157,10 @@ class PromptLedger:
                 f"still outstanding from cursor {self._prompts[group.group_id].cursor}; group ids "
                 f"must be unique per cursor (e.g. include the cursor or epoch in the id)"
             )
-        prompt = _Prompt(self._cursor, _fresh(group, 0, self._cursor), 0, IN_FLIGHT)
+        # The factory's group is new and unshared: it becomes the original as it is (no
+        # generated data to strip), with the ledger's cursor and attempt 0.
+        group.attempt, group.cursor = 0, self._cursor
+        prompt = _Prompt(self._cursor, group, 0, IN_FLIGHT)
         self._prompts[group.group_id] = prompt
         self._cursor += 1
         return prompt

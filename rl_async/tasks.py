@@ -54,15 +54,22 @@ class PromptSource:
             raise DatasetError("the prompt source is empty: no prompts to train on")
         self.prompts = prompts
         self.seed = seed
+        # The current epoch's shuffle, kept: shuffling per prompt made every prompt O(dataset)
+        # (the prompt source's main cost at fleet rates). Cursors move forward, so one epoch
+        # is cached; a cursor of another epoch (resume, tests) recomputes it.
+        self._epoch: int | None = None
+        self._order: list[int] = []
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def prompt(self, cursor: int) -> Prompt:
         epoch, index = divmod(cursor, len(self.prompts))
-        order = list(range(len(self.prompts)))
-        random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-        return self.prompts[order[index]]
+        if epoch != self._epoch:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self.prompts[self._order[index]]
 
     def group(self, cursor: int, group_size: int) -> Group:
         """The cursor-th prompt as a fresh group of `group_size` samples."""
