@@ -1,7 +1,7 @@
 """Completed-group buffer actor: a thin shell over `rl_async.buffer.CompletedBuffer`.
 
 Every insert, delivery, discard and eviction is reported to the prompt source's ledger,
-and `put`/`put_many`/`get` return only after the ledger acknowledged, so a refused transition
+and `put_many`/`get` return only after the ledger acknowledged, so a refused transition
 raises in the caller instead of being lost. Reports are queued in the order they happen and
 sent as ONE `apply` call per acknowledgement (the prompt source is a sync actor: one caller's
 calls run in the order sent), not one actor call per group.
@@ -49,14 +49,6 @@ class BufferActor:
             self._last_ack = self.source.apply.remote(ops)
         if self._last_ack is not None:
             await self._last_ack
-
-    async def put(self, group: Group) -> float:
-        """Insert; returns the room left, so the producer need not stop admitting new groups
-        while a put is merely in transit (only while one may be waiting for room)."""
-        self.monitor.ensure_started()
-        await self.buffer.put(group)
-        await self._acked()
-        return self.buffer.room()
 
     async def put_many(self, groups: list[Group]):
         """The groups a producer finished in one tick, inserted in order in one call and
