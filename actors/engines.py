@@ -141,7 +141,9 @@ class EngineActor:
     def metrics(self) -> dict[str, float]:
         """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
         load = self.engine.load()
+        curve = getattr(self.engine, "step_curve", None)  # SGLang: not measured here
         return {**self.monitor.metrics(f"engine/{self.index}"),
+                **(curve.metrics(f"engine/{self.index}") if curve is not None else {}),
                 f"engine/{self.index}/running": float(load.running),
                 f"engine/{self.index}/waiting": float(load.waiting),
                 f"engine/{self.index}/tokens_in_use": float(load.tokens_in_use)}

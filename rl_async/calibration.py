@@ -11,12 +11,17 @@ while it runs (no extra actor calls):
   the simulated fleet otherwise takes as free), and the collection's transport: the
   controller's wait for a collection minus the buffer's own wait for its groups;
 - publications: mean seconds, drain and transfer seconds, bytes, effective bytes/s;
+- evaluations: count and mean seconds (training waits for each: generation runs on, and
+  the buffer fills, for that long);
 - engines: the producer's cumulative generated tokens and generation seconds (time inside
   generate calls, summed over requests) and the time any request was outstanding. The first
   two give the per-request token rate; generation seconds over busy seconds and engines, the
   mean requests in flight per engine while generating. With
   `max_running_requests` that gives one operating point of the decode curve (see
-  rl_async.sim.calibrate).
+  rl_async.sim.calibrate);
+- the engines' own decode curve where they measure it (embedded and synthetic engines:
+  step seconds = base + per request x requests in the step, least squares over the run,
+  mean over engines; rl_async.engine.timing.StepCurve), which gives the curve's shape.
 
 Reading it back is rl_async.sim.calibrate's job; this module only observes.
 """
@@ -29,6 +34,8 @@ from typing import Any
 from rl_async.types import Group
 
 BUFFER_WAIT = "rollout/fully_async/completed_queue/consumer_wait_seconds"
+CURVE_KEYS = ("engines/step_base_s_mean", "engines/step_per_request_s_mean",
+              "engines/step_requests_mean_mean")
 MAX_LENGTHS = 20_000  # lengths kept for quantiles (the first ones; the log moments use all)
 
 
@@ -62,6 +69,13 @@ class CalibrationStats:
         # difference is the get's transport (actor round trip, moving the groups).
         self.trainer_wait = 0.0
         self.buffer_wait: float | None = None
+        self.step_curve: dict[str, float] | None = None  # the latest engines' fit
+        self.evals = 0
+        self.eval_seconds = 0.0
+
+    def observe_eval(self, seconds: float) -> None:
+        self.evals += 1
+        self.eval_seconds += seconds
 
     def observe_collection(self, groups: list[Group], train_seconds: float) -> None:
         for g in groups:
@@ -92,6 +106,9 @@ class CalibrationStats:
             self.pubs += 1
             for key in self.pub:
                 self.pub[key] += float(metrics.get(f"publish/{key}", 0.0))
+        if CURVE_KEYS[0] in metrics:  # cumulative fits: the latest wins
+            self.step_curve = {name: float(metrics[key]) for name, key in
+                               zip(("base_s", "per_request_s", "requests_mean"), CURVE_KEYS)}
         if "producer/generation_seconds" in metrics:
             self.generation_seconds = float(metrics["producer/generation_seconds"])
             self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
@@ -135,11 +152,14 @@ class CalibrationStats:
                             "mean_paused_seconds": self.pub["paused_seconds"] / pubs,
                             "bytes": nbytes,
                             "bytes_per_s": nbytes / transfer if transfer > 0 else None},
+            "eval": {"count": self.evals,
+                     "mean_seconds": self.eval_seconds / self.evals if self.evals else None},
             "engines": {"count": engines, "max_running_requests": max_running_requests,
                         "generated_tokens": self.generated_tokens,
                         "generation_seconds": self.generation_seconds,
                         "generation_busy_seconds": self.generation_busy_seconds,
                         "per_request_tokens_per_s": (self.generated_tokens / self.generation_seconds
                                                      if self.generation_seconds > 0 else None),
-                        "mean_in_flight_per_engine": in_flight},
+                        "mean_in_flight_per_engine": in_flight,
+                        "decode_curve": self.step_curve},
         }

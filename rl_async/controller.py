@@ -324,18 +324,21 @@ class Controller:
     async def _evaluate(self) -> float:
         """Evaluate the engines' current policy; logs eval/* and extends the eval curve."""
         p = self.progress
+        start = clock.now()
         try:  # every wait has a deadline: an evaluation that cannot finish is a stall
             result = await asyncio.wait_for(self.fleet.evaluate(), self.cfg.run.stall_timeout_s)
         except asyncio.TimeoutError:
             raise RunFailed(f"stalled: the evaluation at step {p.step} did not finish within "
                             f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
                             f"each stage holds: {await self.fleet.diagnosis()}") from None
+        seconds = clock.now() - start
         wall = clock.now() - self._start
+        self.calibration.observe_eval(seconds)
         p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
         p.eval_first = p.eval_first or dict(result)
         p.eval_last = dict(result)
-        self.log({**{f"eval/{k}": v for k, v in result.items()}, "eval/wall_seconds": wall},
-                 p.step)
+        self.log({**{f"eval/{k}": v for k, v in result.items()}, "eval/wall_seconds": wall,
+                  "eval/seconds": seconds}, p.step)
         return result["reward"]
 
     async def _reserve_for_owned(self) -> None:

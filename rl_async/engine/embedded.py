@@ -51,6 +51,7 @@ from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
 from rl_async.engine.models import build_causal_lm, resolve_dtype
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
 from rl_async.engine.scheduler import Request, Scheduler
+from rl_async.engine.timing import StepCurve
 from rl_async.engine.embedded_weights import EngineWeightsMixin
 from rl_async.weights import weights_checksum
 
@@ -119,6 +120,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._bound: set[tuple[str, ...]] = set()  # buckets the parameters are views into
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
+        self.step_curve = StepCurve()  # step seconds vs requests in the step (calibration)
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -323,6 +325,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         involved = running + admitted
         if not involved:
             return
+        start = time.perf_counter()
         try:
             if self.config.forward_in_thread:
                 finished = await asyncio.to_thread(self._compute, admitted)
@@ -335,6 +338,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 f"({[r.rid for r in involved][:4]}...): {type(exc).__name__}: {exc}"))
             return
         self.stats["steps"] += 1
+        # Prefill of the admitted rides in the step, as the simulator folds it in.
+        self.step_curve.observe(len(involved), time.perf_counter() - start)
         self._last_progress = time.monotonic()
         for request in finished:
             self._finish(request)

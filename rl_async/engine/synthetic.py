@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from rl_async import clock
 from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
-from rl_async.engine.timing import EngineTiming, ResponseLengths, TransferTiming
+from rl_async.engine.timing import EngineTiming, ResponseLengths, StepCurve, TransferTiming
 
 DTYPE_BYTES = {"uint8": 1, "int8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "bfloat16": 2, "float16": 2, "int16": 2, "float32": 4, "int32": 4,
@@ -138,6 +138,7 @@ class SyntheticEngine(Engine):
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0.0, "refreshes": 0, "aborted": 0, "finished": 0,
                       "received_bytes": 0}
+        self.step_curve = StepCurve()  # the model's steps as run (calibration)
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -341,6 +342,7 @@ class SyntheticEngine(Engine):
             self._step += k
             seg.steps_left -= k
             self.stats["steps"] += k
+            self.step_curve.observe(len(self._running), seg.step_s, k)
         heap = self._heap
         while heap and heap[0][0] <= self._step + 1e-6:
             due, _, request = heapq.heappop(heap)

@@ -112,3 +112,54 @@ def bucket_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
         return [0]
     full, rest = divmod(total_bytes, bucket_bytes)
     return [bucket_bytes] * full + ([rest] if rest else [])
+
+
+class StepCurve:
+    """An engine's measured decode curve: least squares of step seconds against the requests
+    in the step (step = base + per_request x requests), accumulated over the whole run.
+
+    The simulator's calibration takes its shape from here (rl_async.sim.calibrate): a GPU
+    step barely grows with the batch, a CPU step grows almost linearly, and one operating
+    point cannot tell the two apart when a config changes the slots. Sums only, O(1) per step.
+    """
+
+    MIN_STEPS = 20
+
+    def __init__(self) -> None:
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.lo, self.hi = math.inf, 0
+
+    def observe(self, requests: int, seconds: float, weight: float = 1.0) -> None:
+        """`weight` steps of `seconds` each with `requests` requests in them."""
+        if requests <= 0 or weight <= 0 or seconds < 0:
+            return
+        self.n += weight
+        self.sx += weight * requests
+        self.sy += weight * seconds
+        self.sxx += weight * requests * requests
+        self.sxy += weight * requests * seconds
+        self.lo, self.hi = min(self.lo, requests), max(self.hi, requests)
+
+    def fit(self) -> tuple[float, float] | None:
+        """(base_s, per_request_s), or None with too few steps or one batch size only. A
+        negative coefficient (noise) is clamped to 0 with the line refitted through the mean."""
+        if self.n < self.MIN_STEPS or self.hi <= self.lo:
+            return None
+        mx, my = self.sx / self.n, self.sy / self.n
+        var = self.sxx / self.n - mx * mx
+        if var <= 0:
+            return None
+        slope = (self.sxy / self.n - mx * my) / var
+        if slope < 0:
+            return my, 0.0
+        base = my - slope * mx
+        if base < 0:
+            return 0.0, my / mx
+        return base, slope
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        fit = self.fit()
+        if fit is None:
+            return {}
+        return {f"{prefix}/step_base_s": fit[0], f"{prefix}/step_per_request_s": fit[1],
+                f"{prefix}/step_requests_mean": self.sx / self.n}

@@ -11,14 +11,20 @@ replaces what it measured:
 - trainer seconds per sample: measured;
 - the controller loop's own seconds per step (actor calls, logging) and the transport of a
   collection from the buffer (controller wait minus buffer wait): measured;
+- evaluations: the measured mean seconds is a floor under each simulated evaluation (its
+  generation is simulated; scoring and actor calls are not), which matters because
+  training waits for an evaluation while generation runs on;
 - publication: the measured bytes per publication and effective bytes/s (bucket latency 0:
   it is inside the measured transfer time), and the paused time beyond drain and transfer
   (control round trips) as a fixed overhead; the drain itself is simulated;
-- decode: one operating point. The measured per-request rate rho at a mean of R requests
-  in flight per engine gives a decode step of min(R, mrr) / (R x rho) at min(R, mrr) running
-  requests; the `[synthetic]` decode curve (base + per request + per KV token) is scaled by
-  one factor to pass through that point. Prefill and queueing time inside the engine are in
-  the measurement, so they are folded into the step.
+- decode: one operating point on a curve. The measured per-request rate rho at a mean of R
+  requests in flight per engine gives a decode step of min(R, mrr) / (R x rho) at min(R, mrr)
+  running requests. The curve's shape is the engines' own measured one (base + per request,
+  `engines.decode_curve`) where the run had it, else the `[synthetic]` curve (base + per
+  request + per KV token); it is scaled by one factor to pass through that point. Prefill and
+  queueing time inside the engine are in the measurement, so they are folded into the step.
+  The shape matters when a prediction changes the slots: a CPU step grows almost linearly
+  with the batch, a GPU step barely does.
 
 Every number carries its source in `SimTimings.sources`, printed with the prediction.
 """
@@ -69,6 +75,7 @@ def _synthetic(cfg: RunConfig, label: str) -> tuple[SimTimings, dict[str, str]]:
     sources = dict.fromkeys(keys, label)
     sources["controller"] = "not modelled (0 s per step; --calibrate measures it)"
     sources["collection_transport"] = "not modelled (0 s; --calibrate measures it)"
+    sources["eval"] = "simulated generation only (--calibrate measures the whole evaluation)"
     return timings, sources
 
 
@@ -99,6 +106,10 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
     if calibration.get("collection_transport_seconds") is not None:
         t = replace(t, collection_transport_s=float(calibration["collection_transport_seconds"]))
         sources["collection_transport"] = src
+    ev = calibration.get("eval") or {}
+    if ev.get("count") and ev.get("mean_seconds") is not None:
+        t = replace(t, eval_seconds=float(ev["mean_seconds"]))
+        sources["eval"] = src + ", a floor under the simulated evaluation"
     pub = calibration.get("publication") or {}
     if pub.get("count") and pub.get("bytes_per_s"):
         overhead = (pub.get("mean_paused_seconds", 0.0) - pub.get("mean_drain_seconds", 0.0)
@@ -107,10 +118,13 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
             float(pub["bytes_per_s"]), 0.0, t.transfer.group_init_s),
             publication_overhead_s=max(0.0, overhead))
         sources["publication"] = src
-    engine = _decode_from(calibration.get("engines") or {}, t)
+    engines = calibration.get("engines") or {}
+    engine = _decode_from(engines, t)
     if engine is not None:
         t = replace(t, engine=engine)
-        sources["decode"] = sources["prefill"] = src + ", one operating point"
+        shape = ("the engines' measured decode curve" if _curve(engines) else
+                 "the [synthetic] curve's shape")
+        sources["decode"] = sources["prefill"] = f"{src}, one operating point on {shape}"
     return replace(t, sources=sources)
 
 
@@ -121,6 +135,11 @@ def _decode_from(e: dict[str, Any], t: SimTimings) -> EngineTiming | None:
         return None
     running = min(in_flight, float(mrr))
     step = running / (in_flight * rho)
+    curve = _curve(e)
+    if curve is not None:  # the measured shape; KV growth is inside its per-request term
+        t = replace(t, engine=EngineTiming(decode_step_base_s=curve[0],
+                                           decode_step_per_request_s=curve[1],
+                                           decode_step_per_kv_token_s=0.0))
     mean_len = t.lengths.mean()
     kv = int(running * (t.prompt_tokens + mean_len / 2))
     model = t.engine.step_seconds(max(1, round(running)), kv)
@@ -130,3 +149,11 @@ def _decode_from(e: dict[str, Any], t: SimTimings) -> EngineTiming | None:
                         decode_step_base_s=t.engine.decode_step_base_s * factor,
                         decode_step_per_request_s=t.engine.decode_step_per_request_s * factor,
                         decode_step_per_kv_token_s=t.engine.decode_step_per_kv_token_s * factor)
+
+
+def _curve(e: dict[str, Any]) -> tuple[float, float] | None:
+    c = e.get("decode_curve")
+    if not isinstance(c, dict):
+        return None
+    base, per = float(c.get("base_s") or 0.0), float(c.get("per_request_s") or 0.0)
+    return (base, per) if base >= 0 and per >= 0 and base + per > 0 else None

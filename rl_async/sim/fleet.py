@@ -61,6 +61,9 @@ class SimTimings:
     publication_overhead_s: float = 0.0
     # Moving a collection from the buffer to the controller (0 unless calibrated).
     collection_transport_s: float = 0.0
+    # A real evaluation's measured seconds: an evaluation lasts at least this long (its
+    # actor calls, reward scoring and metrics are not simulated; 0 unless calibrated).
+    eval_seconds: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -285,6 +288,9 @@ class SimFleet:
         prompt = [1] * self.timings.prompt_tokens
         await asyncio.gather(*(self.router.generate(prompt, self.sampling, f"eval{i}")
                                for i in range(count)))
+        rest = self.timings.eval_seconds - (clock.now() - start)
+        if rest > 0:  # the calibrated run's evaluation took longer than its generation
+            await asyncio.sleep(rest)
         self.eval_seconds += clock.now() - start
         return {"reward": 0.0}
 

@@ -239,3 +239,19 @@ def test_cuda_engine_matches_full_forward():
         logp = torch.log_softmax(full_logits(engine.model, prompt, out.output_ids), dim=-1)
         expected = logp.gather(1, torch.tensor(out.output_ids, device="cuda")[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(out.output_logprobs), expected.cpu(), atol=1e-4)
+
+
+def test_steps_feed_the_decode_curve():
+    """Every step is timed against the requests in it (rl_async.engine.timing.StepCurve)."""
+    engine = make_engine(max_running_requests=4)
+
+    async def run():
+        params = [SamplingParams(max_new_tokens=2 + 4 * i, temperature=0.0) for i in range(4)]
+        await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS, params)))
+        await engine.close()
+
+    asyncio.run(run())
+    curve = engine.step_curve
+    assert curve.n == engine.stats["steps"] > 0
+    assert curve.lo == 1 and curve.hi == 4  # 4 together, then the longest alone
+    assert curve.sy > 0

@@ -208,3 +208,21 @@ def test_generate_batch_streams_results_and_fails_only_the_bad_request():
         assert isinstance(seen[1], InvalidRequestError)
         assert seen[0].finish_reason in ("stop", "length") and seen[2].prompt_len == 2
     asyncio.run(main())
+
+
+def test_the_engine_reports_its_decode_curve_as_run():
+    """The curve calibration reads back: the model's steps at the batch sizes that ran."""
+    timing = EngineTiming(prefill_overhead_s=0.0, prefill_tokens_per_s=1e9,
+                          decode_step_base_s=0.001, decode_step_per_request_s=0.0005,
+                          decode_step_per_kv_token_s=0.0)
+
+    async def main():
+        e = engine(timing=timing, max_running_requests=8)
+        await asyncio.gather(*(e.generate([1], PARAMS) for _ in range(16)))
+        await e.close()
+        return e.step_curve
+
+    curve = asyncio.run(main())
+    assert curve.lo < curve.hi <= 8  # the batch shrank as short responses left
+    base, per = curve.fit()
+    assert base == pytest.approx(0.001) and per == pytest.approx(0.0005)

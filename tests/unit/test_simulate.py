@@ -122,8 +122,11 @@ def test_run_calibration_records_what_the_simulator_reads():
                            "perf/orchestration_seconds_per_step": 0.25,
                            "train/trainer_wait_seconds": 1.5,
                            "rollout/fully_async/completed_queue/consumer_wait_seconds": 1.0})
+    stats.observe_eval(0.5)
+    stats.observe_eval(1.5)
     cal = stats.to_dict(wall_seconds=10.0, engines=2, max_running_requests=8,
                         max_response_len=512)
+    assert cal["eval"] == {"count": 2, "mean_seconds": 1.0}
     r = cal["response_length"]
     assert r["samples"] == 4 and r["mean"] == 250 and r["p50"] == 100 and r["max"] == 400
     assert math.isclose(r["log_mean"], math.log(200))
@@ -139,7 +142,7 @@ def test_run_calibration_records_what_the_simulator_reads():
     assert t.lengths.median == pytest.approx(200) and t.trainer.seconds_per_sample == 0.5
     assert t.publish_bytes == 4e9 and t.transfer.bytes_per_s == 2e9
     assert t.prompt_tokens == 10 and t.controller_seconds_per_step == 0.25
-    assert t.collection_transport_s == 0.5
+    assert t.collection_transport_s == 0.5 and t.eval_seconds == 1.0
     # 4 requests in flight per engine, all running (8 slots), each at 50 tokens/s
     kv = int(4 * (10 + t.lengths.mean() / 2))
     assert t.engine.step_seconds(4, kv) == pytest.approx(1 / 50)
@@ -147,7 +150,67 @@ def test_run_calibration_records_what_the_simulator_reads():
     defaults = sim_timings(cfg).sources
     assert defaults.pop("controller").startswith("not modelled")
     assert defaults.pop("collection_transport").startswith("not modelled")
+    assert defaults.pop("eval").startswith("simulated generation only")
     assert set(defaults.values()) == {SYNTHETIC}
+
+
+def test_step_curve_fits_the_engines_steps_and_refuses_one_batch_size():
+    from rl_async.engine.timing import StepCurve
+
+    curve = StepCurve()
+    for requests in (1, 2, 4, 8, 16, 32) * 5:
+        curve.observe(requests, 0.002 + 0.001 * requests)
+    base, per = curve.fit()
+    assert base == pytest.approx(0.002) and per == pytest.approx(0.001)
+    assert set(curve.metrics("engine/0")) == {"engine/0/step_base_s", "engine/0/step_per_request_s",
+                                              "engine/0/step_requests_mean"}
+    flat = StepCurve()
+    flat.observe(8, 0.01, weight=100)  # one batch size: no slope to fit
+    assert flat.fit() is None and flat.metrics("engine/0") == {}
+    falling = StepCurve()  # noise with a negative slope: a flat line through the mean
+    for requests, seconds in ((2, 0.012), (4, 0.010)) * 20:
+        falling.observe(requests, seconds)
+    assert falling.fit() == (pytest.approx(0.011), 0.0)
+
+
+def test_calibration_takes_the_decode_curves_shape_from_the_engines():
+    """One operating point (4 running at 50 tokens/s each = a 20 ms step) on the engines' own
+    linear curve: 8 slots then predict a step that grows with the batch, as a CPU engine's
+    does, not the [synthetic] GPU curve's nearly flat one."""
+    stats = CalibrationStats()
+    stats.observe_collection([_group([100, 100, 400, 400])], train_seconds=2.0)
+    stats.observe_metrics({"producer/generation_seconds": 80.0,
+                           "producer/generated_tokens": 4000.0,
+                           "producer/generation_busy_seconds": 10.0,
+                           "engines/step_base_s_mean": 0.001,
+                           "engines/step_per_request_s_mean": 0.002,
+                           "engines/step_requests_mean_mean": 3.0})
+    cal = stats.to_dict(wall_seconds=10.0, engines=2, max_running_requests=8,
+                        max_response_len=512)
+    assert cal["engines"]["decode_curve"] == {"base_s": 0.001, "per_request_s": 0.002,
+                                              "requests_mean": 3.0}
+    cfg = load_config(LOCAL, SMALL)
+    t = sim_timings(cfg, cal, "run.json")
+    assert "measured decode curve" in t.sources["decode"]
+    assert t.engine.step_seconds(4, 0) == pytest.approx(1 / 50)  # through the point
+    # the shape: (0.001 + 8 x 0.002) / (0.001 + 4 x 0.002) of the point's step
+    assert t.engine.step_seconds(8, 0) == pytest.approx(0.02 * 0.017 / 0.009)
+    without = dict(cal, engines={k: v for k, v in cal["engines"].items() if k != "decode_curve"})
+    flat = sim_timings(cfg, without, "run.json")
+    assert "[synthetic] curve's shape" in flat.sources["decode"]
+    assert flat.engine.step_seconds(8, 0) < 1.5 * flat.engine.step_seconds(4, 0)
+
+
+def test_a_calibrated_evaluation_lasts_at_least_as_long_as_the_real_one():
+    """Training waits for an evaluation while generation runs on: the real one's measured
+    time (scoring, actor calls) is a floor under the simulated one."""
+    cfg = load_config(LOCAL, [*SMALL, "eval.every_steps=2"])
+    plan = plan_capacity(cfg)[0]
+    fast = simulate(cfg, plan, sim_timings(cfg), 6)
+    floor = sim_timings(cfg, {"eval": {"count": 3, "mean_seconds": 60.0}}, "run.json")
+    assert floor.eval_seconds == 60.0 and floor.sources["eval"].startswith("measured")
+    slow = simulate(cfg, plan, floor, 6)
+    assert fast["eval_seconds"] < 3 * 60.0 <= slow["eval_seconds"]
 
 
 def test_every_run_summary_carries_a_calibration_section():
@@ -166,6 +229,7 @@ def test_every_run_summary_carries_a_calibration_section():
     assert cal["response_length"]["p50"] == 2 and cal["prompt_tokens_mean"] == 2
     assert cal["trainer"]["samples"] == 12 and cal["trainer"]["collections"] == 3
     assert cal["publication"]["count"] >= 2
+    assert cal["eval"]["count"] >= 1 and cal["eval"]["mean_seconds"] > 0  # the initial one
     # a summary's calibration is what --calibrate reads
     assert sim_timings(cfg, cal).sources["trainer"].startswith("measured")
 
