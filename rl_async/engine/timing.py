@@ -119,8 +119,10 @@ class StepCurve:
     in the step (step = base + per_request x requests), accumulated over the whole run.
 
     The simulator's calibration takes its shape from here (rl_async.sim.calibrate): a GPU
-    step barely grows with the batch, a CPU step grows almost linearly, and one operating
-    point cannot tell the two apart when a config changes the slots. Sums only, O(1) per step.
+    step barely grows with the batch, a small model's CPU step markedly does (here 4.7 ms at 8
+    requests, ~10 ms at 31), and one operating point cannot tell the two apart when a config
+    changes the slots. The fit needs steps at several batch sizes (drains give them when
+    responses vary in length). Sums only, O(1) per step.
     """
 
     MIN_STEPS = 20
