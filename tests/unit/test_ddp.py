@@ -68,6 +68,10 @@ def _worker(rank, world_size, port, out_dir):
             result["bad_shard_error"] = f"{type(e).__name__}: {e}"
         torch.save(result, f"{out_dir}/rank{rank}.pt")
     finally:
+        # Both ranks past their last collective before either tears gloo down: a rank that
+        # destroyed the group while the other's gloo threads were still mid-operation aborted
+        # that process ("terminate called without an active exception") once in CI.
+        dist.barrier()
         dist.destroy_process_group()
 
 
