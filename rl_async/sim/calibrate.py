@@ -23,8 +23,8 @@ replaces what it measured:
   `engines.decode_curve`) where the run had it, else the `[synthetic]` curve (base + per
   request + per KV token); it is scaled by one factor to pass through that point. Prefill and
   queueing time inside the engine are in the measurement, so they are folded into the step.
-  The shape matters when a prediction changes the slots: a CPU step grows almost linearly
-  with the batch, a GPU step barely does.
+  The shape matters when a prediction changes the slots: a small model's CPU step grows
+  markedly with the batch, a GPU step barely does (rl_async.engine.timing.StepCurve).
 
 Every number carries its source in `SimTimings.sources`, printed with the prediction.
 """
