@@ -141,12 +141,15 @@ class EngineActor:
     def metrics(self) -> dict[str, float]:
         """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
         load = self.engine.load()
-        curve = getattr(self.engine, "step_curve", None)  # SGLang: not measured here
-        return {**self.monitor.metrics(f"engine/{self.index}"),
-                **(curve.metrics(f"engine/{self.index}") if curve is not None else {}),
-                f"engine/{self.index}/running": float(load.running),
-                f"engine/{self.index}/waiting": float(load.waiting),
-                f"engine/{self.index}/tokens_in_use": float(load.tokens_in_use)}
+        prefix = f"engine/{self.index}"
+        measured = {}  # the simulator's calibration; SGLang does not measure these here
+        for name in ("step_curve", "latency"):
+            if getattr(self.engine, name, None) is not None:
+                measured.update(getattr(self.engine, name).metrics(prefix))
+        return {**self.monitor.metrics(prefix), **measured,
+                f"{prefix}/running": float(load.running),
+                f"{prefix}/waiting": float(load.waiting),
+                f"{prefix}/tokens_in_use": float(load.tokens_in_use)}
 
     async def shutdown(self) -> None:
         for name in ("shutdown", "close"):

@@ -7,10 +7,12 @@ while it runs (no extra actor calls):
   log length (the lognormal the simulator draws from);
 - prompt tokens per sample (prefill work);
 - trainer seconds per trained sample (the whole trainer group's time for a collection);
-- the controller loop's own seconds per optimizer step (actor round trips, logging: what
-  the simulated fleet otherwise takes as free), and the collection's transport: the
-  controller's wait for a collection minus the buffer's own wait for its groups;
-- publications: mean seconds, drain and transfer seconds, bytes, effective bytes/s;
+- the controller loop's own serial seconds per optimizer step (actor round trips, logging:
+  what the simulated fleet otherwise takes as free), the fleet's metrics gather (beside
+  the publication), and the collection's transport: the controller's wait for a collection
+  minus the buffer's own wait for its groups;
+- publications: mean seconds, snapshot, drain and transfer seconds, the first control
+  call's round trip, bytes, effective bytes/s, and the controller's wait for them per step;
 - evaluations: count and mean seconds (training waits for each: generation runs on, and
   the buffer fills, for that long);
 - engines: the producer's cumulative generated tokens and generation seconds (time inside
@@ -21,7 +23,11 @@ while it runs (no extra actor calls):
   rl_async.sim.calibrate);
 - the engines' own decode curve where they measure it (embedded and synthetic engines:
   step seconds = base + per request x requests in the step, least squares over the run,
-  mean over engines; rl_async.engine.timing.StepCurve), which gives the curve's shape.
+  mean over engines; rl_async.engine.timing.StepCurve), which gives the curve's shape;
+- the producer's mean seconds per generate call, prompt fetch and reward call (a sample's
+  permit is held through all three), and a request's mean seconds inside the engine
+  (arrival to answer, rl_async.engine.timing.RequestLatency): the difference between the two
+  generate latencies is the round trip outside the engine.
 
 Reading it back is rl_async.sim.calibrate's job; this module only observes.
 """
@@ -36,7 +42,12 @@ from rl_async.types import Group
 BUFFER_WAIT = "rollout/fully_async/completed_queue/consumer_wait_seconds"
 CURVE_KEYS = ("engines/step_base_s_mean", "engines/step_per_request_s_mean",
               "engines/step_requests_mean_mean")
+ENGINE_LATENCY = "engines/request_latency_s_mean"
 MAX_LENGTHS = 20_000  # lengths kept for quantiles (the first ones; the log moments use all)
+
+
+def _per(total: float | None, count: float | None) -> float | None:
+    return total / count if total is not None and count else None
 
 
 def _quantile(sorted_values: list[int], q: float) -> float:
@@ -59,10 +70,15 @@ class CalibrationStats:
         self.collections = 0
         self.pubs = 0
         self.pub = dict.fromkeys(("publication_seconds", "drain_seconds", "transfer_seconds",
-                                  "paused_seconds", "bytes"), 0.0)
+                                  "paused_seconds", "bytes", "snapshot_seconds",
+                                  "control_seconds"), 0.0)
+        self.metrics_gather = 0.0  # the fleet's metrics gather, per collection
+        self.pub_wait = 0.0  # the controller's wait for publications (snapshot, previous one)
         self.generated_tokens = 0.0
         self.generation_seconds = 0.0
         self.generation_busy_seconds = 0.0
+        self.producer: dict[str, float] = {}  # its cumulative counters (latest wins)
+        self.engine_latency: float | None = None  # arrival to answer, engine side (mean)
         self.controller_seconds = 0.0   # the loop's own time (actor calls, logging) per step
         self.controller_samples = 0
         # The controller's wait for collections vs the buffer's own wait for groups: the
@@ -100,7 +116,13 @@ class CalibrationStats:
         if BUFFER_WAIT in metrics:
             self.buffer_wait = (self.buffer_wait or 0.0) + float(metrics[BUFFER_WAIT])
         if "perf/orchestration_seconds_per_step" in metrics:
-            self.controller_seconds += float(metrics["perf/orchestration_seconds_per_step"])
+            # The loop's own serial time: the metrics gather runs beside the publication,
+            # so only what the loop waited for it beyond the publication is in `own`.
+            self.controller_seconds += max(0.0, float(
+                metrics["perf/orchestration_seconds_per_step"])
+                - float(metrics.get("perf/metrics_wait_seconds_per_step", 0.0)))
+            self.metrics_gather += float(metrics.get("perf/metrics_gather_seconds", 0.0))
+            self.pub_wait += float(metrics.get("perf/publication_wait_seconds_per_step", 0.0))
             self.controller_samples += 1
         if "publish/publication_seconds" in metrics:
             self.pubs += 1
@@ -109,14 +131,19 @@ class CalibrationStats:
         if CURVE_KEYS[0] in metrics:  # cumulative fits: the latest wins
             self.step_curve = {name: float(metrics[key]) for name, key in
                                zip(("base_s", "per_request_s", "requests_mean"), CURVE_KEYS)}
+        if ENGINE_LATENCY in metrics:
+            self.engine_latency = float(metrics[ENGINE_LATENCY])
         if "producer/generation_seconds" in metrics:
             self.generation_seconds = float(metrics["producer/generation_seconds"])
             self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
+            self.producer = {k: float(metrics.get(f"producer/{k}", 0.0)) for k in (
+                "submitted_samples", "fetch_seconds", "fetches", "score_seconds",
+                "scored_samples")}
             self.generation_busy_seconds = float(
                 metrics.get("producer/generation_busy_seconds", 0.0))
 
     def to_dict(self, wall_seconds: float, engines: int, max_running_requests: int,
-                max_response_len: int) -> dict[str, Any]:
+                max_response_len: int, producer_samples: int | None = None) -> dict[str, Any]:
         lengths = sorted(self.lengths)
         log_mean = self.log_sum / self.n if self.n else 0.0
         log_var = self.log_sq / self.n - log_mean ** 2 if self.n else 0.0
@@ -127,6 +154,7 @@ class CalibrationStats:
         # would read as light load).
         busy = self.generation_busy_seconds or wall_seconds
         in_flight = self.generation_seconds / (busy * engines) if busy > 0 and engines else 0.0
+        p = self.producer
         return {
             "source": "rl-async run: the controller's observations of this run",
             "response_length": {
@@ -142,6 +170,7 @@ class CalibrationStats:
                         "collections": self.collections, "samples": self.train_samples},
             "controller_seconds_per_step": (self.controller_seconds
                                             / max(1, self.controller_samples)),
+            "metrics_gather_seconds": self.metrics_gather / max(1, self.controller_samples),
             "collection_transport_seconds": (
                 None if self.buffer_wait is None
                 else max(0.0, self.trainer_wait - self.buffer_wait) / max(1, self.collections)),
@@ -150,6 +179,10 @@ class CalibrationStats:
                             "mean_drain_seconds": self.pub["drain_seconds"] / pubs,
                             "mean_transfer_seconds": transfer,
                             "mean_paused_seconds": self.pub["paused_seconds"] / pubs,
+                            "mean_snapshot_seconds": self.pub["snapshot_seconds"] / pubs,
+                            "mean_control_seconds": self.pub["control_seconds"] / pubs,
+                            "controller_wait_seconds_per_step": (
+                                self.pub_wait / max(1, self.controller_samples)),
                             "bytes": nbytes,
                             "bytes_per_s": nbytes / transfer if transfer > 0 else None},
             "eval": {"count": self.evals,
@@ -161,5 +194,11 @@ class CalibrationStats:
                         "per_request_tokens_per_s": (self.generated_tokens / self.generation_seconds
                                                      if self.generation_seconds > 0 else None),
                         "mean_in_flight_per_engine": in_flight,
-                        "decode_curve": self.step_curve},
+                        "decode_curve": self.step_curve,
+                        "request_latency_s": self.engine_latency},
+            "producer": {  # mean seconds per call, as the producer saw them, at this budget
+                "budget_samples": producer_samples,
+                "request_latency_s": _per(self.generation_seconds, p.get("submitted_samples")),
+                "fetch_latency_s": _per(p.get("fetch_seconds"), p.get("fetches")),
+                "score_latency_s": _per(p.get("score_seconds"), p.get("scored_samples"))},
         }

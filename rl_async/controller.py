@@ -183,10 +183,15 @@ class Controller:
         pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
-        fleet_metrics = asyncio.ensure_future(self.fleet.metrics())
+        fleet_metrics = asyncio.ensure_future(self._gather_metrics(pub_start))
         pub_metrics = await self._publish(self.version)
         pub_s = clock.now() - pub_start
-        metrics = {**train_metrics, **pub_metrics, **await fleet_metrics}
+        gathered, gather_s = await fleet_metrics
+        metrics = {**train_metrics, **pub_metrics, **gathered,
+                   # the gather's time, and what of it the loop waited beyond the publication
+                   "perf/metrics_gather_seconds": gather_s,
+                   "perf/metrics_wait_seconds_per_step": (max(0.0, gather_s - pub_s)
+                                                          / self.plan.optimizer_steps_per_collection)}
         metrics.update(self._collection_metrics(groups, wait))
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
@@ -199,6 +204,10 @@ class Controller:
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self._checkpoint()
+
+    async def _gather_metrics(self, start: float) -> tuple[dict[str, float], float]:
+        metrics = await self.fleet.metrics()
+        return metrics, clock.now() - start
 
     async def _publish(self, version: int) -> dict[str, float]:
         """Publish `version`. When overlap is allowed (publication_overlaps_training), only the
@@ -378,7 +387,7 @@ class Controller:
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
             "calibration": self.calibration.to_dict(
                 wall, self.plan.engines, self.plan.max_running_requests,
-                self.cfg.rollout.max_response_len),
+                self.cfg.rollout.max_response_len, self.plan.producer_samples),
         }
 
 
@@ -390,6 +399,7 @@ def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_
     bottleneck; this high: orchestration is."""
     own = max(0.0, step_s - wait_s - train_s - publish_s)
     return {"perf/orchestration_seconds_per_step": own / updates,
+            "perf/publication_wait_seconds_per_step": publish_s / updates,
             "perf/orchestration_fraction": own / step_s if step_s > 0 else 0.0,
             "perf/step_seconds": step_s / updates}
 

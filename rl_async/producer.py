@@ -206,7 +206,10 @@ class Producer:
         self._idle.clear()
         try:
             k = self._fetch_count()
+            start = clock.now()
             groups = await self._next_groups(k) if k > 1 else [await self._next_group()]
+            self.stats.fetch_seconds += clock.now() - start
+            self.stats.fetches += 1
             for group in groups:
                 if group.size != self.limits.group_size:
                     raise ValueError(f"group {group.group_id!r} has {group.size} samples, "
@@ -290,7 +293,10 @@ class Producer:
                     sample.seed = sample_seed(self._seed, g.cursor, g.attempt, index)
                 await self._generate_sample(og, sample)
             if not (og.aborted or og.error):
+                start = clock.now()
                 sample.reward = await self._score(sample)
+                self.stats.score_seconds += clock.now() - start
+                self.stats.scored_samples += 1
         except self._group_errors as exc:
             og.error = og.error or exc
         finally:

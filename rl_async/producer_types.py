@@ -39,6 +39,12 @@ class ProducerStats:
     # not count publication pauses and evals as light load).
     generation_busy_seconds: float = 0.0
     put_wait_seconds: float = 0.0
+    # Time inside the prompt fetches and reward calls (actor round trips in a real run; a
+    # permit is held through both): the simulator's calibration.
+    fetch_seconds: float = 0.0
+    fetches: int = 0
+    score_seconds: float = 0.0
+    scored_samples: int = 0
     # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
     # responses whose tokens span more than one policy version.
     refreshed_requests: int = 0

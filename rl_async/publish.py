@@ -89,6 +89,10 @@ class PublicationResult:
     transfer_seconds: float
     drained: bool
     bytes: int
+    snapshot_seconds: float = 0.0
+    # The first control call (stop submissions, or the retracting pause): one actor round
+    # trip, which each of the publication's control calls costs (the simulator's calibration).
+    control_seconds: float = 0.0
 
     def metrics(self) -> dict[str, float]:
         return {"publish/publication_seconds": self.publication_seconds,
@@ -96,6 +100,8 @@ class PublicationResult:
                 "publish/drain_seconds": self.drain_seconds,
                 "publish/transfer_seconds": self.transfer_seconds,
                 "publish/drain_timed_out": float(not self.drained),
+                "publish/snapshot_seconds": self.snapshot_seconds,
+                "publish/control_seconds": self.control_seconds,
                 "publish/bytes": float(self.bytes)}
 
 
@@ -179,6 +185,7 @@ class Publisher:
         self._enter(PubState.PAUSING)
         if self.refresh_mode == "off":
             await ops.stop_submissions()
+            stopped_at = clock.now()
             drained = await ops.drain(self.drain_timeout_s)
             if not drained:
                 await ops.pause_engines("abort")
@@ -190,6 +197,7 @@ class Publisher:
                         f"abort; not updating weights under them")
         else:
             await ops.pause_engines("retract")
+            stopped_at = clock.now()
         paused_at = clock.now()
         self._enter(PubState.TRANSFERRING)
         sent = await ops.send(version, self._on_bucket)
@@ -202,4 +210,5 @@ class Publisher:
         return PublicationResult(
             version=version, publication_seconds=end - start, paused_seconds=end - snap_at,
             drain_seconds=paused_at - snap_at, transfer_seconds=transferred_at - paused_at,
-            drained=drained, bytes=sent)
+            drained=drained, bytes=sent, snapshot_seconds=snap_at - start,
+            control_seconds=stopped_at - snap_at)

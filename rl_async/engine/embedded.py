@@ -51,7 +51,7 @@ from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
 from rl_async.engine.models import build_causal_lm, resolve_dtype
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
 from rl_async.engine.scheduler import Request, Scheduler
-from rl_async.engine.timing import StepCurve
+from rl_async.engine.timing import RequestLatency, StepCurve
 from rl_async.engine.embedded_weights import EngineWeightsMixin
 from rl_async.weights import weights_checksum
 
@@ -121,6 +121,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
         self.step_curve = StepCurve()  # step seconds vs requests in the step (calibration)
+        self.latency = RequestLatency()  # arrival to answer, engine side (calibration)
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -136,8 +137,11 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._requests[rid] = request
         self.scheduler.enqueue(request)
         self._wake.set()
+        arrived = time.perf_counter()
         try:
-            return await request.future
+            out = await request.future
+            self.latency.observe(time.perf_counter() - arrived)
+            return out
         except asyncio.CancelledError:
             # The caller gave up (timeout, cancelled task): free the slot, then propagate.
             if not request.future.done():
@@ -308,7 +312,11 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
 
     # ---------------------------------------------------------------- the step loop
     async def _loop(self) -> None:
+        last: tuple[int, float, float] | None = None  # (requests, compute s, end) of a step
         while not self._closed:
+            if last is not None:  # a step's wall time: its compute and the loop's turn after
+                self.step_curve.observe(last[0], last[1] + time.perf_counter() - last[2])
+                last = None
             if self._paused or (not self.scheduler.waiting and self._batch is None):
                 self._wake.clear()
                 await self._wake.wait()
@@ -316,15 +324,15 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 continue
             async with self._lock:
                 if not self._paused:
-                    await self._step()
+                    last = await self._step()
             await asyncio.sleep(0)  # let API calls (abort, pause, updates) take the lock
 
-    async def _step(self) -> None:
+    async def _step(self) -> tuple[int, float, float] | None:
         running = self._batch.requests if self._batch is not None else []
         admitted = self.scheduler.pop_admissible(running)
         involved = running + admitted
         if not involved:
-            return
+            return None
         start = time.perf_counter()
         try:
             if self.config.forward_in_thread:
@@ -336,13 +344,14 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             self._fail(involved, EngineError(
                 f"engine step failed for {len(involved)} request(s) "
                 f"({[r.rid for r in involved][:4]}...): {type(exc).__name__}: {exc}"))
-            return
+            return None
         self.stats["steps"] += 1
-        # Prefill of the admitted rides in the step, as the simulator folds it in.
-        self.step_curve.observe(len(involved), time.perf_counter() - start)
+        end = time.perf_counter()
         self._last_progress = time.monotonic()
         for request in finished:
             self._finish(request)
+        # Prefill of the admitted rides in the step, as the simulator folds it in.
+        return len(involved), end - start, end
 
     def _compute(self, admitted: list[Request]) -> list[Request]:
         """One step in the worker thread: prefill the admitted, decode everyone, sample."""

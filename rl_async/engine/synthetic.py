@@ -1,8 +1,9 @@
 """The synthetic engine: the full engine interface (SPEC §10) without a model.
 
 A real load generator for dry runs and orchestration benchmarks, not a test double: every
-request waits in a queue for one of `max_running_requests` slots, takes prefill time and one
-decode step per token, where a step's latency grows with the running requests and the KV
+request waits in a queue for one of `max_running_requests` slots, takes prefill time (which
+samples its first token, as in SGLang and the embedded engine) and one decode step per further
+token, where a step's latency grows with the running requests and the KV
 tokens in use (rl_async.engine.timing). Response lengths are drawn from a long-tailed
 distribution when the request arrives. Tokens are random ids; each records the weight version
 that "sampled" it and a log-prob, exactly as a real engine's do.
@@ -13,7 +14,7 @@ The clock is event driven, so the cost per request is O(log n), not O(tokens x s
         --> admit waiting requests (prefill cost) --> sleep until the next finish or a wake
 
 `_step` counts decode steps since the start; a running request that was admitted at step s
-with r tokens to go finishes at step s + r (a heap keyed by that). Between two events the set
+with r tokens to go finishes at step s + r - 1 (a heap keyed by that), once its prefill is done. Between two events the set
 of running requests is fixed, so a step's latency is constant and "now" maps to a step count.
 Token ids, log-probs and versions are materialised when a request leaves the running set.
 
@@ -43,7 +44,8 @@ from dataclasses import dataclass, field
 from rl_async import clock
 from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
-from rl_async.engine.timing import EngineTiming, ResponseLengths, StepCurve, TransferTiming
+from rl_async.engine.timing import (EngineTiming, RequestLatency, ResponseLengths, StepCurve,
+                                    TransferTiming)
 
 DTYPE_BYTES = {"uint8": 1, "int8": 1, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
                "bfloat16": 2, "float16": 2, "int16": 2, "float32": 4, "int32": 4,
@@ -99,6 +101,7 @@ class _Request:
     start_step: float = 0.0      # engine step at (re-)admission
     finish_step: float = 0.0
     kv_term: float = 0.0         # this request's share of _kv_base while running
+    prefilled: bool = False      # its prefill (which samples its first token) is done
     refreshes: int = 0
 
 
@@ -139,13 +142,18 @@ class SyntheticEngine(Engine):
         self.stats = {"steps": 0.0, "refreshes": 0, "aborted": 0, "finished": 0,
                       "received_bytes": 0}
         self.step_curve = StepCurve()  # the model's steps as run (calibration)
+        self.latency = RequestLatency()  # arrival to answer (calibration)
+        self._prefilling: list[_Request] = []  # admitted; their prefill not done yet
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput:
         request = self.submit(input_ids, sampling_params, request_id)
+        arrived = clock.now()
         try:
-            return await request.future
+            out = await request.future
+            self.latency.observe(clock.now() - arrived)
+            return out
         except asyncio.CancelledError:
             # The caller gave up (its await cancelled the future too): free the slot.
             if request.rid in self._requests:
@@ -311,8 +319,12 @@ class SyntheticEngine(Engine):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            prefill = self._admit() + (self._seg.prefill_left if self._seg else 0.0)
+            boundary = self._at_boundary()
+            prefill = ((self._admit() if boundary else 0.0)
+                       + (self._seg.prefill_left if self._seg else 0.0))
             steps = max(0.0, self._heap[0][0] - self._step) if self._heap else 0.0
+            if not boundary and self._waiting and self._free_slot():
+                steps = min(steps, math.ceil(self._step) - self._step)  # join at the next step
             step_s = self.timing.step_seconds(len(self._running), int(self._kv_tokens()))
             self._seg = _Segment(clock.now(), prefill, step_s, steps)
             dt = (prefill + steps * step_s) * self.scale
@@ -337,6 +349,11 @@ class SyntheticEngine(Engine):
         used = min(seg.prefill_left, elapsed)
         seg.prefill_left -= used
         elapsed -= used
+        if seg.prefill_left > 0:
+            return  # no step runs (nor anyone finishes) before the prefill is done
+        for request in self._prefilling:  # the prefill sampled each one's first token
+            request.prefilled = True
+        self._prefilling.clear()
         if seg.steps_left > 0 and elapsed > 0:
             k = seg.steps_left if seg.step_s <= 0 else min(seg.steps_left, elapsed / seg.step_s)
             self._step += k
@@ -350,18 +367,37 @@ class SyntheticEngine(Engine):
                 self._leave(request)
                 self._finish(request)
 
+    def _at_boundary(self) -> bool:
+        """Between two steps, or idle: the only time a request joins the batch, as in a real
+        engine's scheduler loop (one that arrives mid-step waits for the step's end, so
+        arrivals during a step join together)."""
+        if not self._running:
+            self._step = float(math.ceil(self._step - 1e-6))  # a new batch starts a step
+            return True
+        nearest = round(self._step)
+        if abs(self._step - nearest) > 1e-6:
+            return False
+        self._step = float(nearest)  # drift of fractional steps summed
+        return True
+
+    def _free_slot(self) -> bool:
+        return len(self._running) < self.config.max_running_requests
+
     def _admit(self) -> float:
         """Admit waiting requests into free slots (FIFO); returns their prefill seconds."""
         tokens = 0
-        while self._waiting and len(self._running) < self.config.max_running_requests:
+        while self._waiting and self._free_slot():
             request = self._waiting.popleft()
             done = len(request.ids)
             if done:  # a retracted request: its prefix is rebuilt under the current weights
                 request.refreshes += 1
                 self.stats["refreshes"] += 1
-            request.running = True
+            request.running, request.prefilled = True, False
+            self._prefilling.append(request)
             request.start_step = self._step
-            request.finish_step = self._step + (request.target - done)
+            # The prefill samples the first token (SGLang and the embedded engine alike),
+            # so the rest takes one decode step per token.
+            request.finish_step = self._step + (request.target - done - 1)
             request.kv_term = request.prompt_len + done - self._step
             self._kv_base += request.kv_term
             self._running[request.rid] = request
@@ -372,10 +408,12 @@ class SyntheticEngine(Engine):
     def _leave(self, request: _Request) -> None:
         """Running -> not running: materialise the tokens decoded since admission."""
         n = min(request.target - len(request.ids),
-                int(self._step - request.start_step + 1e-6))
+                int(self._step - request.start_step + 1e-6) + int(request.prefilled))
         if n > 0:
             self._emit(request, n)
         request.running = False
+        if not request.prefilled and request in self._prefilling:  # left during its prefill
+            self._prefilling.remove(request)
         self._kv_base -= request.kv_term
         del self._running[request.rid]  # its heap entry is skipped when popped (lazy delete)
 

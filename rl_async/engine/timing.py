@@ -114,9 +114,38 @@ def bucket_sizes(total_bytes: int, bucket_bytes: int) -> list[int]:
     return [bucket_bytes] * full + ([rest] if rest else [])
 
 
+class RequestLatency:
+    """Mean seconds from a request's arrival at the engine to its answer, engine side.
+
+    The producer's own mean latency per request minus this one is the round trip outside
+    the engine (actor calls, serialisation, the producer's loop): the simulator's
+    `request_transit_s`. On a small model it is as long as a step (~7 ms per request with
+    one CPU engine here), and it decides whether the engine idles: a request that has just
+    finished is replaced only a round trip later, unless the producer keeps more requests
+    queued than the engine has slots. Sums only.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds += max(0.0, seconds)
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        if not self.count:
+            return {}
+        return {f"{prefix}/request_latency_s": self.seconds / self.count,
+                f"{prefix}/requests": float(self.count)}
+
+
 class StepCurve:
     """An engine's measured decode curve: least squares of step seconds against the requests
     in the step (step = base + per_request x requests), accumulated over the whole run.
+    The embedded engine times a step from its start to the next one's (the compute plus its
+    loop's turn between steps: answering finished requests, taking new ones), so the curve is
+    the engine's wall time per step when it is kept busy.
 
     The simulator's calibration takes its shape from here (rl_async.sim.calibrate): a GPU
     step barely grows with the batch, a small model's CPU step markedly does (here 4.7 ms at 8

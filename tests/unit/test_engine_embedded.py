@@ -255,3 +255,6 @@ def test_steps_feed_the_decode_curve():
     assert curve.n == engine.stats["steps"] > 0
     assert curve.lo == 1 and curve.hi == 4  # 4 together, then the longest alone
     assert curve.sy > 0
+    # each request's time inside the engine; the longest one spans every step
+    assert engine.latency.count == 4 and engine.latency.seconds / 4 > 0
+    assert engine.latency.metrics("engine/0")["engine/0/requests"] == 4

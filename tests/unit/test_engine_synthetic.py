@@ -226,3 +226,35 @@ def test_the_engine_reports_its_decode_curve_as_run():
     assert curve.lo < curve.hi <= 8  # the batch shrank as short responses left
     base, per = curve.fit()
     assert base == pytest.approx(0.001) and per == pytest.approx(0.0005)
+
+
+def test_prefill_samples_the_first_token_and_arrivals_join_at_the_next_step():
+    """A response of n tokens takes its prefill and n - 1 decode steps (the prefill samples
+    the first token), and a request arriving mid-step waits for that step's end: requests
+    join a running batch only between steps, as in SGLang's and the embedded engine's loops."""
+    from rl_async import clock
+    from rl_async.sim.virtual_loop import run_virtual
+
+    timing = EngineTiming(prefill_overhead_s=0.002, prefill_tokens_per_s=1e9,
+                          decode_step_base_s=0.010, decode_step_per_request_s=0.0,
+                          decode_step_per_kv_token_s=0.0)
+    params = SamplingParams(max_new_tokens=64)
+
+    async def main():
+        e = engine(timing=timing, lengths=ResponseLengths(median=3, sigma=0))
+        done = {}
+
+        async def run(name, delay):
+            await asyncio.sleep(delay)
+            out = await e.generate([1], params)
+            done[name] = (round(clock.now(), 6), len(out.output_ids))
+
+        await asyncio.gather(run("first", 0.0), run("second", 0.005))
+        await e.close()
+        return done
+
+    done = run_virtual(main())
+    # first: prefill 0-2 ms, steps 2-12 and (after the second's prefill, 12-14) 14-24 ms
+    assert done["first"] == (0.024, 3)
+    # second: arrived at 5 ms, mid-step; admitted at 12 ms; steps 14-24 and 24-34 ms
+    assert done["second"] == (0.034, 3)
