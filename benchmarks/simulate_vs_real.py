@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +40,7 @@ if str(ROOT) not in sys.path:
 
 from rl_async.capacity import plan_capacity  # noqa: E402
 from rl_async.config_load import load_config  # noqa: E402
+from rl_async.engine.timing import EngineTiming  # noqa: E402
 from rl_async.sim.calibrate import load_calibration, sim_timings  # noqa: E402
 from rl_async.sim.run import simulate  # noqa: E402
 
@@ -102,10 +103,14 @@ def from_summary(s: dict) -> dict:
 def predict(path: str, overrides: tuple[str, ...], max_steps: int, calibration: dict,
             engine_speed: float = 1.0) -> dict:
     cfg = load_config(ROOT / path, overrides)
-    if engine_speed != 1.0:
-        calibration = copy.deepcopy(calibration)
-        calibration["engines"]["per_request_tokens_per_s"] *= engine_speed
-    p = simulate(cfg, plan_capacity(cfg)[0], sim_timings(cfg, calibration), max_steps)
+    timings = sim_timings(cfg, calibration)
+    if engine_speed != 1.0:  # every engine cost divided by the speed
+        e = timings.engine
+        timings = replace(timings, engine=EngineTiming(
+            e.prefill_tokens_per_s * engine_speed, e.prefill_overhead_s / engine_speed,
+            e.decode_step_base_s / engine_speed, e.decode_step_per_request_s / engine_speed,
+            e.decode_step_per_kv_token_s / engine_speed))
+    p = simulate(cfg, plan_capacity(cfg)[0], timings, max_steps)
     return {k: p[k] for k in KEYS} | {"simulator_cpu_seconds": p["simulator_cpu_seconds"]}
 
 

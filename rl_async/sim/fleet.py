@@ -13,12 +13,14 @@ Everything but the engines' arithmetic and the trainer's compute is the code a r
 executes (rl_async.producer, buffer, ledger, publish, controller, engine.router): the limits,
 drains, staleness filter, evictions and retries are therefore the real ones. The engines are
 the synthetic engine (rl_async.engine.synthetic): a request waits for one of
-`max_running_requests` slots, pays prefill, then one decode step per token, where a step's
-time grows with the running requests and KV tokens (rl_async.engine.timing). The HTTP gate
+`max_running_requests` slots, joins the batch between two steps, pays prefill (which samples
+its first token), then one decode step per further token, where a step's time grows with the
+running requests and KV tokens (rl_async.engine.timing). The HTTP gate
 of `server_concurrency x engines` is the producer's semaphore, as in a real run.
 
 Not modelled: rewards (0/1 coin flips, so `filter.zero_variance` is not simulated), judge
-latency, checkpoint time, actor round-trip latency, engine faults.
+latency, checkpoint time, engine faults; actor round trips only where calibrated (a generate
+call's, a collection's transport, the controller's own time per step, publication control).
 """
 
 from __future__ import annotations
@@ -56,14 +58,25 @@ class SimTimings:
     prompt_tokens: int
     # The controller loop's own time per optimizer step (0 unless calibrated: actor calls).
     controller_seconds_per_step: float = 0.0
-    # A publication's control round trips (stop, continue, resume) beyond drain and
-    # transfer (0 unless calibrated).
+    # A publication's control round trips (continue, resume) beyond drain and transfer,
+    # the trainer's snapshot, and one control call's round trip (stop submissions, pause,
+    # the buffer's new version): 0 unless calibrated.
     publication_overhead_s: float = 0.0
+    snapshot_s: float = 0.0
+    control_call_s: float = 0.0
     # Moving a collection from the buffer to the controller (0 unless calibrated).
     collection_transport_s: float = 0.0
+    # Gathering every actor's metrics, beside the publication (0 unless calibrated).
+    metrics_gather_s: float = 0.0
     # A real evaluation's measured seconds: an evaluation lasts at least this long (its
     # actor calls, reward scoring and metrics are not simulated; 0 unless calibrated).
     eval_seconds: float = 0.0
+    # A generate call's round trip outside the engine (producer latency minus the engine's
+    # own; 0 unless calibrated): it decides whether a fed engine idles between requests.
+    request_transit_s: float = 0.0
+    # The producer's prompt fetch and reward call (actor round trips; 0 unless calibrated).
+    fetch_latency_s: float = 0.0
+    score_latency_s: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -183,7 +196,8 @@ class SimFleet:
             ProducerLimits(plan.submission_granularity, plan.producer_samples, n,
                            plan.http_slots),
             next_group=self._next_group, generate=self._generate, score=self._score,
-            put=self._put, on_aborted=self._on_aborted, on_failed=self._on_failed)
+            put=self._put, on_aborted=self._on_aborted, on_failed=self._on_failed,
+            next_groups=self._next_groups)
         self.trained_samples = 0
         self.eval_seconds = 0.0
         self.publications = 0
@@ -207,13 +221,32 @@ class SimFleet:
         self.book.mark_failed(group, error)
 
     async def _next_group(self) -> Group | None:
-        return self.book.next_group()
+        return (await self._next_groups(1))[0]
+
+    async def _next_groups(self, n: int) -> list[Group]:
+        """As a real run: one call to the prompt source for `n` groups, whose round trip
+        (calibrated) holds up admission."""
+        if self.timings.fetch_latency_s:
+            await asyncio.sleep(self.timings.fetch_latency_s)
+        return [self.book.next_group() for _ in range(n)]
 
     async def _generate(self, sample: Sample, group_id: str) -> GenerateOutput:
-        _index, out = await self.router.generate(sample.prompt_ids, self.sampling, group_id)
+        return await self._call_engine(sample.prompt_ids, group_id)
+
+    async def _call_engine(self, prompt: list[int], key: str) -> GenerateOutput:
+        """One generate call; a calibrated round trip outside the engine (actor calls, the
+        producer's loop) is paid half on the way there, half on the way back."""
+        half = self.timings.request_transit_s / 2
+        if half:
+            await asyncio.sleep(half)
+        _index, out = await self.router.generate(prompt, self.sampling, key)
+        if half:
+            await asyncio.sleep(half)
         return out
 
     async def _score(self, sample: Sample) -> float:
+        if self.timings.score_latency_s:  # a real run's reward call, which holds the permit
+            await asyncio.sleep(self.timings.score_latency_s)
         return float(self.rng.random() < 0.5)
 
     async def _put(self, group: Group):
@@ -257,7 +290,9 @@ class SimFleet:
         return groups
 
     async def buffer_set_version(self, version: int) -> None:
+        await self._control()
         self.buffer.set_version(version)
+        await self._control()
 
     async def buffer_reserve(self, n_groups: int) -> None:
         if self.buffer.reserved:
@@ -286,8 +321,7 @@ class SimFleet:
         e = self.cfg.eval
         count = self.cfg.task.num_eval_prompts * (1 + e.n_samples)
         prompt = [1] * self.timings.prompt_tokens
-        await asyncio.gather(*(self.router.generate(prompt, self.sampling, f"eval{i}")
-                               for i in range(count)))
+        await asyncio.gather(*(self._call_engine(prompt, f"eval{i}") for i in range(count)))
         rest = self.timings.eval_seconds - (clock.now() - start)
         if rest > 0:  # the calibrated run's evaluation took longer than its generation
             await asyncio.sleep(rest)
@@ -298,6 +332,8 @@ class SimFleet:
         return f"simulated/step_{step}"  # checkpoint time is not modelled
 
     async def metrics(self) -> dict[str, float]:
+        if self.timings.metrics_gather_s:  # a real run's round trips to every actor
+            await asyncio.sleep(self.timings.metrics_gather_s)
         return {}
 
     async def ledger(self) -> dict[str, int]:
@@ -320,17 +356,28 @@ class SimFleet:
                 "failed_groups": self.producer.stats.failed_groups}
 
     # ---- PublicationOps -------------------------------------------------------------------------
+    async def _control(self) -> None:
+        """Half of a control call's measured round trip (0 unless calibrated)."""
+        await asyncio.sleep(self.timings.control_call_s / 2)
+
     async def snapshot(self) -> None:
-        await asyncio.sleep(0)  # a device-to-device copy on rank 0: negligible here
+        await asyncio.sleep(self.timings.snapshot_s)  # 0 unless calibrated
 
     async def stop_submissions(self) -> None:
+        await self._control()
         self.producer.pause_generation()
+        await self._control()
 
     async def drain(self, timeout_s: float) -> bool:
-        return await self.producer.drain_generation(timeout_s)
+        await self._control()
+        drained = await self.producer.drain_generation(timeout_s)
+        await self._control()
+        return drained
 
     async def pause_engines(self, mode: str) -> None:
+        await self._control()
         await asyncio.gather(*(e.pause_generation(mode) for e in self.engines))
+        await self._control()
 
     async def send(self, version: int, progress=None) -> int:
         """Every bucket reaches every engine at once (one broadcast); the last one carries

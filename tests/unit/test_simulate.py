@@ -5,6 +5,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,12 +147,60 @@ def test_run_calibration_records_what_the_simulator_reads():
     # 4 requests in flight per engine, all running (8 slots), each at 50 tokens/s
     kv = int(4 * (10 + t.lengths.mean() / 2))
     assert t.engine.step_seconds(4, kv) == pytest.approx(1 / 50)
+    # no engine-side latency, no producer latencies in this summary: those stay unmodelled
+    assert t.request_transit_s == 0 and t.sources.pop("transit").startswith("not modelled")
+    assert t.sources.pop("producer_calls").startswith("not modelled")
     assert all(src.startswith("measured (run.json)") for src in t.sources.values())
     defaults = sim_timings(cfg).sources
-    assert defaults.pop("controller").startswith("not modelled")
-    assert defaults.pop("collection_transport").startswith("not modelled")
+    for key in ("controller", "collection_transport", "producer_calls", "transit"):
+        assert defaults.pop(key).startswith("not modelled")
     assert defaults.pop("eval").startswith("simulated generation only")
     assert set(defaults.values()) == {SYNTHETIC}
+
+
+def test_calibration_from_the_engines_own_costs_and_the_round_trips_outside_them():
+    """An embedded-engine run measures its engine's wall time per step (curve) and a request's
+    time inside the engine; with the producer's own latencies the simulator needs no
+    operating point: transit = producer latency - engine latency; prefill is in the step."""
+    stats = CalibrationStats()
+    stats.observe_collection([_group([2, 2, 2, 2])], train_seconds=0.1)
+    stats.observe_metrics({
+        "producer/generation_seconds": 40.0, "producer/submitted_samples": 2000.0,
+        "producer/generated_tokens": 4000.0, "producer/generation_busy_seconds": 1.0,
+        "producer/fetch_seconds": 0.5, "producer/fetches": 100.0,
+        "producer/score_seconds": 20.0, "producer/scored_samples": 2000.0,
+        "engines/request_latency_s_mean": 0.012, "engines/step_base_s_mean": 0.006,
+        "engines/step_per_request_s_mean": 0.0001, "engines/step_requests_mean_mean": 30.0,
+        "publish/publication_seconds": 0.04, "publish/paused_seconds": 0.03,
+        "publish/drain_seconds": 0.015, "publish/transfer_seconds": 0.005,
+        "publish/snapshot_seconds": 0.01, "publish/control_seconds": 0.004,
+        "publish/bytes": 1e6})
+    cal = stats.to_dict(wall_seconds=2.0, engines=1, max_running_requests=32,
+                        max_response_len=2, producer_samples=64)
+    assert cal["producer"] == {"budget_samples": 64, "request_latency_s": 0.02,
+                               "fetch_latency_s": 0.005, "score_latency_s": 0.01}
+    assert cal["engines"]["request_latency_s"] == 0.012
+    cfg = load_config(LOCAL, [])
+    t = sim_timings(cfg, cal, "run.json")
+    assert t.request_transit_s == pytest.approx(0.008)
+    assert t.fetch_latency_s == 0.005 and t.score_latency_s == 0.01
+    assert t.engine.prefill_seconds(1000) == 0.0
+    assert t.engine.step_seconds(8, 10_000) == pytest.approx(0.006 + 8 * 0.0001)
+    assert t.snapshot_s == 0.01 and t.control_call_s == 0.004
+    assert t.publication_overhead_s == pytest.approx(0.03 - 0.015 - 0.005)
+    assert "step curve" in t.sources["decode"] and t.sources["transit"].startswith("measured")
+    # measured with 4x local.toml's producer budget (64 samples): the round trips, which
+    # every request in flight shares, scale down with the budget (never up)
+    bigger = json.loads(json.dumps(cal))
+    bigger["producer"]["budget_samples"] = 256
+    quarter = sim_timings(cfg, bigger, "run.json")
+    assert quarter.request_transit_s == pytest.approx(0.002)
+    assert quarter.score_latency_s == pytest.approx(0.0025) and "x0.25" in quarter.sources["transit"]
+    # the round trips cost simulated time: the same run without them is faster
+    free = replace(t, request_transit_s=0.0, fetch_latency_s=0.0, score_latency_s=0.0)
+    plan = plan_capacity(cfg)[0]
+    slow, fast = simulate(cfg, plan, t, 20), simulate(cfg, plan, free, 20)
+    assert slow["steps_per_hour"] < fast["steps_per_hour"]
 
 
 def test_step_curve_fits_the_engines_steps_and_refuses_one_batch_size():
