@@ -281,8 +281,10 @@ class SyntheticEngine(Engine):
         used = min(seg.prefill_left, elapsed)
         seg.prefill_left -= used
         elapsed -= used
-        if seg.prefill_left > 0:
+        if seg.prefill_left > 1e-9:
             return  # no step runs (nor anyone finishes) before the prefill is done
+        # A residue below the clock's resolution (1e-14 s at t = 300 s) would never elapse.
+        seg.prefill_left = 0.0
         for request in self._prefilling:  # the prefill sampled each one's first token
             request.prefilled = True
         self._prefilling.clear()

@@ -258,3 +258,22 @@ def test_prefill_samples_the_first_token_and_arrivals_join_at_the_next_step():
     assert done["first"] == (0.024, 3)
     # second: arrived at 5 ms, mid-step; admitted at 12 ms; steps 14-24 and 24-34 ms
     assert done["second"] == (0.034, 3)
+
+
+def test_a_prefill_residue_below_the_clocks_resolution_does_not_stall_the_engine():
+    """Late in a simulation (t = 300 s) float time cannot advance by 1e-14 s; a prefill
+    left with such a residue once spun the engine's loop forever (three_node.toml with
+    publication.drain_timeout_s=10): the residue counts as done."""
+    from rl_async import clock
+    from rl_async.engine.synthetic_types import _Segment
+    from rl_async.sim.virtual_loop import run_virtual
+
+    async def main():
+        await asyncio.sleep(302.8629631959119)
+        e = engine()
+        e._seg = _Segment(clock.now(), prefill_left=1.4432899320127035e-14, step_s=0.0278,
+                          steps_left=0.0)
+        e._advance()
+        return e._seg.prefill_left
+
+    assert run_virtual(main()) == 0.0
