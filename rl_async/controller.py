@@ -187,11 +187,11 @@ class Controller:
         pub_metrics = await self._publish(self.version)
         pub_s = clock.now() - pub_start
         gathered, gather_s = await fleet_metrics
+        updates = self.plan.optimizer_steps_per_collection
         metrics = {**train_metrics, **pub_metrics, **gathered,
                    # the gather's time, and what of it the loop waited beyond the publication
                    "perf/metrics_gather_seconds": gather_s,
-                   "perf/metrics_wait_seconds_per_step": (max(0.0, gather_s - pub_s)
-                                                          / self.plan.optimizer_steps_per_collection)}
+                   "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
         metrics.update(self._collection_metrics(groups, wait))
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))

@@ -14,8 +14,9 @@ The clock is event driven, so the cost per request is O(log n), not O(tokens x s
         --> admit waiting requests (prefill cost) --> sleep until the next finish or a wake
 
 `_step` counts decode steps since the start; a running request that was admitted at step s
-with r tokens to go finishes at step s + r - 1 (a heap keyed by that), once its prefill is done. Between two events the set
-of running requests is fixed, so a step's latency is constant and "now" maps to a step count.
+with r tokens to go finishes at step s + r - 1 (a heap keyed by that), once its prefill is
+done. Requests join only between two steps. Between two events the set of running requests
+is fixed, so a step's latency is constant and "now" maps to a step count.
 Token ids, log-probs and versions are materialised when a request leaves the running set.
 
 Pause modes as the embedded engine: `abort` finishes everything with "abort" and the tokens
