@@ -138,7 +138,7 @@ class CalibrationStats:
             self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
             self.producer = {k: float(metrics.get(f"producer/{k}", 0.0)) for k in (
                 "submitted_samples", "fetch_seconds", "fetches", "score_seconds",
-                "scored_samples")}
+                "scored_samples", "transit_seconds", "transit_samples")}
             self.generation_busy_seconds = float(
                 metrics.get("producer/generation_busy_seconds", 0.0))
 
@@ -200,5 +200,7 @@ class CalibrationStats:
                 "budget_samples": producer_samples,
                 "request_latency_s": _per(self.generation_seconds, p.get("submitted_samples")),
                 "fetch_latency_s": _per(p.get("fetch_seconds"), p.get("fetches")),
-                "score_latency_s": _per(p.get("score_seconds"), p.get("scored_samples"))},
+                "score_latency_s": _per(p.get("score_seconds"), p.get("scored_samples")),
+                # per rollout request, outside the engine (engines that time themselves)
+                "transit_latency_s": _per(p.get("transit_seconds"), p.get("transit_samples"))},
         }

@@ -330,6 +330,10 @@ class Producer:
                     self._gen_idle.set()
                     self.stats.generation_busy_seconds += clock.now() - self._busy_since
                 self.stats.generation_seconds += clock.now() - start
+            inside = getattr(out, "engine_seconds", None)
+            if inside is not None:  # the round trip outside the engine
+                self.stats.transit_seconds += max(0.0, clock.now() - start - inside)
+                self.stats.transit_samples += 1
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(
                 f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "

@@ -45,6 +45,10 @@ class ProducerStats:
     fetches: int = 0
     score_seconds: float = 0.0
     scored_samples: int = 0
+    # A generate call's time outside the engine (engines that time themselves: embedded,
+    # synthetic), over these samples: rollout requests only, unlike the engine's own mean.
+    transit_seconds: float = 0.0
+    transit_samples: int = 0
     # mixed_policy refresh: requests whose prefix was rebuilt under new weights, and
     # responses whose tokens span more than one policy version.
     refreshed_requests: int = 0

@@ -76,6 +76,10 @@ class GenerateOutput:
     prompt_len: int = 0
     # Number of times this request's prefix was rebuilt under new weights (mixed_policy refresh).
     refreshes: int = 0
+    # Seconds from the request's arrival at the engine to its answer, where the engine times
+    # it (embedded, synthetic; None: SGLang). The caller's own latency minus this is the
+    # round trip outside the engine (the simulator's calibration).
+    engine_seconds: float | None = None
 
 
 @dataclass

@@ -140,7 +140,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         arrived = time.perf_counter()
         try:
             out = await request.future
-            self.latency.observe(time.perf_counter() - arrived)
+            out.engine_seconds = time.perf_counter() - arrived
+            self.latency.observe(out.engine_seconds)
             return out
         except asyncio.CancelledError:
             # The caller gave up (timeout, cancelled task): free the slot, then propagate.

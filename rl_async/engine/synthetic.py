@@ -85,7 +85,8 @@ class SyntheticEngine(Engine):
         arrived = clock.now()
         try:
             out = await request.future
-            self.latency.observe(clock.now() - arrived)
+            out.engine_seconds = clock.now() - arrived
+            self.latency.observe(out.engine_seconds)
             return out
         except asyncio.CancelledError:
             # The caller gave up (its await cancelled the future too): free the slot.

@@ -161,8 +161,12 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
 
 
 def _transit(e: dict[str, Any], producer: dict[str, Any]) -> float | None:
-    """A generate call's round trip outside the engine: the producer's latency minus the
-    engine's own (None where the engines do not measure theirs: SGLang)."""
+    """A generate call's round trip outside the engine, per rollout request (the producer's
+    latency minus the engine's own, request by request); from summaries that predate that
+    field, the difference of the two means (which mixes in the evaluations' requests at the
+    engine). None where the engines do not time themselves (SGLang)."""
+    if producer.get("transit_latency_s") is not None:
+        return max(0.0, float(producer["transit_latency_s"]))
     inside, outside = e.get("request_latency_s"), producer.get("request_latency_s")
     return max(0.0, float(outside) - float(inside)) if inside and outside else None
 

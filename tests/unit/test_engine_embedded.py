@@ -247,10 +247,13 @@ def test_steps_feed_the_decode_curve():
 
     async def run():
         params = [SamplingParams(max_new_tokens=2 + 4 * i, temperature=0.0) for i in range(4)]
-        await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS, params)))
+        outs = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS, params)))
         await engine.close()
+        return outs
 
-    asyncio.run(run())
+    outs = asyncio.run(run())
+    # each answer carries its time inside the engine (the caller's latency minus it: transit)
+    assert all(o.engine_seconds > 0 for o in outs)
     curve = engine.step_curve
     assert curve.n == engine.stats["steps"] > 0
     assert curve.lo == 1 and curve.hi == 4  # 4 together, then the longest alone

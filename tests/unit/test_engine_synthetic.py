@@ -248,6 +248,7 @@ def test_prefill_samples_the_first_token_and_arrivals_join_at_the_next_step():
             await asyncio.sleep(delay)
             out = await e.generate([1], params)
             done[name] = (round(clock.now(), 6), len(out.output_ids))
+            assert out.engine_seconds == pytest.approx(clock.now() - delay)  # arrival to answer
 
         await asyncio.gather(run("first", 0.0), run("second", 0.005))
         await e.close()

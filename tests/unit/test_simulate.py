@@ -178,7 +178,8 @@ def test_calibration_from_the_engines_own_costs_and_the_round_trips_outside_them
     cal = stats.to_dict(wall_seconds=2.0, engines=1, max_running_requests=32,
                         max_response_len=2, producer_samples=64)
     assert cal["producer"] == {"budget_samples": 64, "request_latency_s": 0.02,
-                               "fetch_latency_s": 0.005, "score_latency_s": 0.01}
+                               "fetch_latency_s": 0.005, "score_latency_s": 0.01,
+                               "transit_latency_s": None}
     assert cal["engines"]["request_latency_s"] == 0.012
     cfg = load_config(LOCAL, [])
     t = sim_timings(cfg, cal, "run.json")
@@ -189,6 +190,16 @@ def test_calibration_from_the_engines_own_costs_and_the_round_trips_outside_them
     assert t.snapshot_s == 0.01 and t.control_call_s == 0.004
     assert t.publication_overhead_s == pytest.approx(0.03 - 0.015 - 0.005)
     assert "step curve" in t.sources["decode"] and t.sources["transit"].startswith("measured")
+    # measured request by request (rollouts only: long evaluations at the engine once made
+    # its mean exceed the producer's), the per-request transit wins over the means' difference
+    stats.observe_metrics({"producer/generation_seconds": 40.0,
+                           "producer/submitted_samples": 2000.0,
+                           "producer/transit_seconds": 6.0, "producer/transit_samples": 2000.0,
+                           "engines/request_latency_s_mean": 5.0})
+    per_request = stats.to_dict(wall_seconds=2.0, engines=1, max_running_requests=32,
+                                max_response_len=2, producer_samples=64)
+    assert per_request["producer"]["transit_latency_s"] == 0.003
+    assert sim_timings(cfg, per_request, "run.json").request_transit_s == pytest.approx(0.003)
     # measured with 4x local.toml's producer budget (64 samples): the round trips, which
     # every request in flight shares, scale down with the budget (never up)
     bigger = json.loads(json.dumps(cal))
