@@ -57,7 +57,7 @@ from typing import Any
 from rl_async.capacity import plan_capacity
 from rl_async.config import RunConfig
 from rl_async.engine.timing import EngineTiming, ResponseLengths, TrainerTiming, TransferTiming
-from rl_async.sim.fleet import SimTimings
+from rl_async.sim.timings import SimTimings
 
 SYNTHETIC = "[synthetic] defaults (7-8B bf16, H100/H200, SGLang; rl_async/engine/timing.py)"
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from dataclasses import dataclass, field
 
 from rl_async import clock
 from rl_async.buffer import CompletedBuffer
@@ -36,48 +35,14 @@ from rl_async.config import RunConfig
 from rl_async.engine.base import GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
-from rl_async.engine.timing import (EngineTiming, ResponseLengths, TrainerTiming,
-                                    TransferTiming, bucket_sizes)
+from rl_async.engine.timing import bucket_sizes
 from rl_async.ledger import PromptLedger
 from rl_async.producer import Producer, ProducerLimits
 from rl_async.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
+from rl_async.sim.timings import SimTimings
 from rl_async.types import Group, Sample
 
 OUTCOMES = ("delivered", "dropped", "evicted", "aborted")
-
-
-@dataclass(frozen=True)
-class SimTimings:
-    """Every number the simulation takes from outside the core, and where each came from."""
-
-    engine: EngineTiming
-    lengths: ResponseLengths
-    transfer: TransferTiming
-    trainer: TrainerTiming
-    publish_bytes: int
-    prompt_tokens: int
-    # The controller loop's own time per optimizer step (0 unless calibrated: actor calls).
-    controller_seconds_per_step: float = 0.0
-    # A publication's control round trips (continue, resume) beyond drain and transfer,
-    # the trainer's snapshot, and one control call's round trip (stop submissions, pause,
-    # the buffer's new version): 0 unless calibrated.
-    publication_overhead_s: float = 0.0
-    snapshot_s: float = 0.0
-    control_call_s: float = 0.0
-    # Moving a collection from the buffer to the controller (0 unless calibrated).
-    collection_transport_s: float = 0.0
-    # Gathering every actor's metrics, beside the publication (0 unless calibrated).
-    metrics_gather_s: float = 0.0
-    # A real evaluation's measured seconds: an evaluation lasts at least this long (its
-    # actor calls, reward scoring and metrics are not simulated; 0 unless calibrated).
-    eval_seconds: float = 0.0
-    # A generate call's round trip outside the engine (producer latency minus the engine's
-    # own; 0 unless calibrated): it decides whether a fed engine idles between requests.
-    request_transit_s: float = 0.0
-    # The producer's prompt fetch and reward call (actor round trips; 0 unless calibrated).
-    fetch_latency_s: float = 0.0
-    score_latency_s: float = 0.0
-    sources: dict[str, str] = field(default_factory=dict)
 
 
 class SimEngine(SyntheticEngine):

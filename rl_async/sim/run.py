@@ -21,7 +21,8 @@ from rl_async.capacity import CapacityPlan
 from rl_async.config import RunConfig
 from rl_async.controller import Controller
 from rl_async.queue_metrics import LENGTH_BIN_LABELS
-from rl_async.sim.fleet import OUTCOMES, SimFleet, SimTimings
+from rl_async.sim.fleet import OUTCOMES, SimFleet
+from rl_async.sim.timings import SimTimings
 from rl_async.sim.virtual_loop import SimulationDeadlock, run_virtual
 
 DEFAULT_STEPS = 100  # optimizer updates simulated unless --steps says otherwise
