@@ -1,4 +1,4 @@
-"""Completed-group buffer actor: a thin shell over `rl_async.buffer.CompletedBuffer`.
+"""Completed-group buffer actor: a thin shell over `rl_async.loop.buffer.CompletedBuffer`.
 
 Every insert, delivery, discard and eviction is reported to the prompt source's ledger,
 and `put_many`/`get` return only after the ledger acknowledged, so a refused transition
@@ -12,12 +12,12 @@ from __future__ import annotations
 import ray
 
 from actors.prompt_source import ref_of
-from rl_async.buffer import CompletedBuffer
-from rl_async.capacity import CapacityPlan
-from rl_async.loop_monitor import LoopMonitor
-from rl_async.config import RunConfig
-from rl_async.queue_metrics import with_prefix
-from rl_async.types import Group
+from rl_async.loop.buffer import CompletedBuffer
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.loop.monitor import LoopMonitor
+from rl_async.plan.config import RunConfig
+from rl_async.observe.queue_metrics import with_prefix
+from rl_async.base.types import Group
 
 
 @ray.remote(num_cpus=0)

@@ -1,5 +1,5 @@
 """Controller actor: builds the fleet, owns the policy version, runs the training loop
-(rl_async.controller.Controller) and logs metrics in one place."""
+(rl_async.loop.controller.Controller) and logs metrics in one place."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 import ray
 
 from actors.fleet import RayFleet, Resume
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
-from rl_async.controller import Controller
-from rl_async.metrics import MemorySink, MetricsLogger, WandbSink
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
+from rl_async.loop.controller import Controller
+from rl_async.observe.metrics import MemorySink, MetricsLogger, WandbSink
 
 
 @ray.remote(num_cpus=0)

@@ -31,7 +31,7 @@ import time
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from rl_async.faults import EngineRestarts, RunStopped, quote
+from rl_async.loop.faults import EngineRestarts, RunStopped, quote
 
 NAME_FREE_TIMEOUT_S = 60
 

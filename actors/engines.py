@@ -12,9 +12,9 @@ import time
 
 import ray
 
-from rl_async.config import RunConfig
+from rl_async.plan.config import RunConfig
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
-from rl_async.loop_monitor import LoopMonitor
+from rl_async.loop.monitor import LoopMonitor
 
 
 def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:

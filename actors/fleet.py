@@ -23,13 +23,13 @@ from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
 from actors.trainer import PUBLICATION_GROUP, TrainerWorker
-from rl_async import checkpoints as ckpts
-from rl_async import rollouts
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
-from rl_async.loop_monitor import LoopMonitor, aggregate
-from rl_async.publish import Publisher
-from rl_async.types import Group
+from rl_async.state import checkpoints as ckpts
+from rl_async.state import rollouts
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
+from rl_async.loop.monitor import LoopMonitor, aggregate
+from rl_async.loop.publish import Publisher
+from rl_async.base.types import Group
 
 PLACEMENT_TIMEOUT_S = 120
 CONTROL_CALL_TIMEOUT_S = 120  # control calls answer in milliseconds; this is a dead man's switch
@@ -50,7 +50,7 @@ def _placement(bundles: list[dict], what: str, key: str):
 
 @dataclass(frozen=True)
 class Resume:
-    """Where a resumed run starts: a complete checkpoint (rl_async.checkpoints)."""
+    """Where a resumed run starts: a complete checkpoint (rl_async.state.checkpoints)."""
     path: str
     step: int
     version: int
@@ -186,7 +186,7 @@ class RayFleet(FleetPublication):
 
     async def _start_judge(self) -> None:
         from actors.judges import deploy_judge  # imports Ray Serve only when judging
-        from rl_async.judging import judge_deployment
+        from rl_async.algo.judging import judge_deployment
 
         dep = judge_deployment(self.cfg.judge, self.cfg.run.name)
         self.judge_app = dep.app_name
@@ -269,7 +269,7 @@ class RayFleet(FleetPublication):
         return out[0]
 
     async def checkpoint(self, step: int, version: int) -> str:
-        """A complete checkpoint or none (rl_async.checkpoints): trainer state from the
+        """A complete checkpoint or none (rl_async.state.checkpoints): trainer state from the
         ranks that hold it and the policy as `hf/`, staged, then meta.json with the ledger
         and the config, then one rename. The producer keeps generating meanwhile."""
         staged = ckpts.staging_dir(self.run_dir, step)
@@ -287,7 +287,7 @@ class RayFleet(FleetPublication):
     async def record_trained(self, step: int, version: int, groups: list[Group]) -> None:
         ckpts.append_trained(self.run_dir, step, version, [
             (g.group_id, g.attempt, g.oldest_version()) for g in groups])
-        if self.cfg.run.record_rollouts:  # for `rl-async replay` (rl_async/rollouts.py)
+        if self.cfg.run.record_rollouts:  # for `rl-async replay` (rl_async/state/rollouts.py)
             await asyncio.to_thread(rollouts.write_collection, self.run_dir, step, version,
                                     groups)
 

@@ -21,7 +21,7 @@ import asyncio
 from ray.exceptions import RayActorError
 
 from actors.trainer import PUBLICATION_GROUP
-from rl_async.publish import BucketProgress
+from rl_async.loop.publish import BucketProgress
 
 SEND_ATTEMPTS = 3  # a transfer is redone without engines that died during it
 

@@ -20,10 +20,10 @@ from ray import serve
 from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 
-from rl_async.judging import DEPLOYMENT_NAME, JudgeDeployment
-from rl_async.rewards import load_callable
-from rl_async.tasks import successor_reward
-from rl_async.types import Sample
+from rl_async.algo.judging import DEPLOYMENT_NAME, JudgeDeployment
+from rl_async.algo.rewards import load_callable
+from rl_async.algo.tasks import successor_reward
+from rl_async.base.types import Sample
 
 
 class JudgeError(RuntimeError):

@@ -1,4 +1,4 @@
-"""Producer actor: the producer pool (rl_async.producer.Producer) plus the engine router.
+"""Producer actor: the producer pool (rl_async.loop.producer.Producer) plus the engine router.
 
 One asyncio actor drives every in-flight request: the limits of SPEC §4 are asyncio
 semaphores here, so "global" means global. A dead engine, reward, source or buffer actor
@@ -14,20 +14,20 @@ import ray
 from ray.exceptions import RayActorError
 
 from actors.prompt_source import ref_of
-from rl_async.batching import MicroBatcher
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
+from rl_async.base.batching import MicroBatcher
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
 from rl_async.engine.base import EngineError, GenerateOutput, SamplingParams
 from rl_async.engine.router import NoHealthyEngine, Router
-from rl_async.evaluation import eval_metrics
-from rl_async.faults import FailureBudget, RunStopped, TransientEngineError
-from rl_async.loop_monitor import LoopMonitor
-from rl_async.producer import Producer, ProducerLimits, zero_variance
-from rl_async.rewards import backoff_s
-from rl_async.rewards import RewardError
-from rl_async.seeding import eval_seed
-from rl_async.tasks import stop_token_ids
-from rl_async.types import Sample
+from rl_async.algo.evaluation import eval_metrics
+from rl_async.loop.faults import FailureBudget, RunStopped, TransientEngineError
+from rl_async.loop.monitor import LoopMonitor
+from rl_async.loop.producer import Producer, ProducerLimits, zero_variance
+from rl_async.algo.rewards import backoff_s
+from rl_async.algo.rewards import RewardError
+from rl_async.algo.seeding import eval_seed
+from rl_async.algo.tasks import stop_token_ids
+from rl_async.base.types import Sample
 
 
 class ActorDied(RuntimeError):
@@ -227,7 +227,7 @@ class ProducerActor:
 
     async def evaluate(self, prompts: list) -> dict[str, float]:
         """Score held-out prompts with the reward actor: one response each (greedy unless
-        eval.greedy = false) plus eval.n_samples sampled ones (rl_async.evaluation)."""
+        eval.greedy = false) plus eval.n_samples sampled ones (rl_async.algo.evaluation)."""
         first = sampling_params(self.cfg, greedy=self.cfg.eval.greedy)
         k = self.cfg.eval.n_samples
 

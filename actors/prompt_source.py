@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import ray
 
-from rl_async.config import RunConfig
-from rl_async.ledger import PromptLedger
-from rl_async.loop_monitor import CpuMeter
-from rl_async.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
-from rl_async.types import Group
+from rl_async.plan.config import RunConfig
+from rl_async.loop.ledger import PromptLedger
+from rl_async.loop.monitor import CpuMeter
+from rl_async.algo.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
+from rl_async.base.types import Group
 
 
 def ref_of(group: Group) -> Group:

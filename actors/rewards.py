@@ -1,5 +1,5 @@
 """Reward actor: runs the configured reward function (`module:function`, sync or async)
-with its timeout, bounded retries and concurrency cap (rl_async.rewards.RewardRunner).
+with its timeout, bounded retries and concurrency cap (rl_async.algo.rewards.RewardRunner).
 
 With `judge.enabled` it grades through the run's Ray Serve judge deployment instead (started
 by the fleet before this actor), under the judge's own timeout and retries."""
@@ -10,12 +10,12 @@ import asyncio
 
 import ray
 
-from rl_async.config import RunConfig
-from rl_async.judging import judge_app_name
-from rl_async.loop_monitor import LoopMonitor
-from rl_async.rewards import RewardRunner, load_callable
-from rl_async.tasks import default_reward_path, load_tokenizer
-from rl_async.types import Sample
+from rl_async.plan.config import RunConfig
+from rl_async.algo.judging import judge_app_name
+from rl_async.loop.monitor import LoopMonitor
+from rl_async.algo.rewards import RewardRunner, load_callable
+from rl_async.algo.tasks import default_reward_path, load_tokenizer
+from rl_async.base.types import Sample
 
 
 @ray.remote(num_cpus=0)

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import ray
 
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
 from rl_async.engine.timing import TrainerTiming, TransferTiming
 from rl_async.train.synthetic import SyntheticTrainer
-from rl_async.types import Group
+from rl_async.base.types import Group
 
 
 def transfer_timing(cfg: RunConfig) -> TransferTiming:

@@ -12,13 +12,13 @@ import socket
 import ray
 import torch
 
-from rl_async import collective
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
-from rl_async.engine.models import resolve_dtype
-from rl_async.hf_export import export_hf
-from rl_async.types import Group
-from rl_async.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
+from rl_async.state import collective
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
+from rl_async.state.models import resolve_dtype
+from rl_async.state.hf_export import export_hf
+from rl_async.base.types import Group
+from rl_async.state.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
                               weights_checksum)
 
 PUBLICATION_GROUP = "rl_async_publication"
@@ -168,7 +168,7 @@ class TrainerWorker:
         return self.trainer.load_checkpoint(directory)
 
     def export_hf(self, directory: str) -> str | None:
-        """Write the policy as a Hugging Face directory (rl_async.hf_export). Every megatron
+        """Write the policy as a Hugging Face directory (rl_async.state.hf_export). Every megatron
         rank takes part in gathering the shards; rank 0 writes."""
         named = self.trainer.named_tensors_for_publication()
         if self.rank != 0:

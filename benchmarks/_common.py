@@ -1,7 +1,7 @@
 """Shared by the actor-system benchmarks: config loading, one local Ray cluster, and a timed
 run of the real controller over the real fleet.
 
-`TimedRun` is ControllerActor's loop (RayFleet + rl_async.controller.Controller) with one
+`TimedRun` is ControllerActor's loop (RayFleet + rl_async.loop.controller.Controller) with one
 addition: every logged row is stamped with time.monotonic(), so a benchmark can measure the
 training loop itself (initial eval row -> last collection row) instead of actor start-up,
 evaluation and shutdown.
@@ -21,9 +21,9 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 import ray  # noqa: E402
 
-from rl_async.checks import Report, validate  # noqa: E402
-from rl_async.config import RunConfig  # noqa: E402
-from rl_async.config_load import load_config  # noqa: E402
+from rl_async.plan.checks import Report, validate  # noqa: E402
+from rl_async.plan.config import RunConfig  # noqa: E402
+from rl_async.plan.load import load_config  # noqa: E402
 
 
 def load_checked(path: str, overrides: list[str]) -> tuple[RunConfig, Report]:
@@ -51,7 +51,7 @@ class TimedRun:
 
     async def run(self, cfg: RunConfig, plan) -> dict:
         from actors.fleet import RayFleet
-        from rl_async.controller import Controller
+        from rl_async.loop.controller import Controller
 
         rows: list[tuple[float, int, dict]] = []
         fleet = RayFleet(cfg, plan)

@@ -16,8 +16,8 @@ import gc
 import random
 import time
 
-from rl_async.buffer import CompletedBuffer
-from rl_async.types import Group, Sample
+from rl_async.loop.buffer import CompletedBuffer
+from rl_async.base.types import Group, Sample
 
 CAPACITIES = (8, 1_000, 100_000)
 VERSION = 50

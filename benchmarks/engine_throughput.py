@@ -24,7 +24,7 @@ import torch
 
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from rl_async.engine.models import tiny_llama_config
+from rl_async.state.models import tiny_llama_config
 
 
 def make_workload(n: int, seed: int, vocab: int, max_len: int) -> list[tuple[list[int], int]]:

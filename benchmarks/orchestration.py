@@ -35,7 +35,7 @@ from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.pa
 import ray
 
 from rl_async.engine.timing import EngineTiming, ResponseLengths
-from rl_async.types import Sample
+from rl_async.base.types import Sample
 
 
 @ray.remote(num_cpus=0)

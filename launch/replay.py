@@ -22,10 +22,10 @@ from typing import Any
 
 def replay(run_dir: str, out: str | None = None) -> dict[str, Any]:
     from launch.run import _init_ray
-    from rl_async import checkpoints as ckpts
-    from rl_async import rollouts
-    from rl_async.checks import validate
-    from rl_async.config import RunConfig
+    from rl_async.state import checkpoints as ckpts
+    from rl_async.state import rollouts
+    from rl_async.plan.checks import validate
+    from rl_async.plan.config import RunConfig
 
     run = Path(run_dir)
     checkpoint = ckpts.find_checkpoint("", "", run)  # the latest complete one in RUN_DIR
@@ -50,8 +50,7 @@ def replay(run_dir: str, out: str | None = None) -> dict[str, Any]:
 async def _replay(cfg, plan, run: Path, entries: list[dict], checkpoint: Path,
                   out: str | None) -> dict[str, Any]:
     from actors.fleet import RayFleet
-    from rl_async import rollouts
-
+    from rl_async.state import rollouts
     out_dir = Path(out or tempfile.mkdtemp(prefix="rl-async-replay-"))
     fleet = RayFleet(cfg, plan, run_dir=str(out_dir))
     fleet.prefix = f"{cfg.run.name}-replay"

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from rl_async.checks import Report
-from rl_async.config import RunConfig
+from rl_async.plan.checks import Report
+from rl_async.plan.config import RunConfig
 
 POLL_S = 1.0
 
@@ -92,8 +92,7 @@ def resolve_resume(cfg: RunConfig, resume: str | None):
     if resume is None:
         return None, None
     from actors.fleet import Resume
-    from rl_async import checkpoints as ckpts
-
+    from rl_async.state import checkpoints as ckpts
     path = ckpts.find_checkpoint(cfg.run.output_dir, cfg.run.name,
                                  None if resume == LATEST else resume)
     meta = ckpts.load_meta(path)

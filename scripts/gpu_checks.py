@@ -56,7 +56,7 @@ def compare(got: dict, want: dict, keys, rel: float, abs_: float) -> dict:
 
 def groups(version: int = 1):
     """Two groups of four samples; spread behaviour log-probs so TIS clips some tokens."""
-    from rl_async.types import Group, Sample
+    from rl_async.base.types import Group, Sample
 
     gen = torch.Generator().manual_seed(11)
     out = []
@@ -81,7 +81,7 @@ def check_engine(device: str) -> dict:
     """Greedy: the engine batches 4 requests of different lengths; HF generates each alone."""
     from rl_async.engine.base import SamplingParams
     from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from rl_async.engine.models import build_causal_lm
+    from rl_async.state.models import build_causal_lm
 
     prompts = [[5, 9, 13], [40, 41, 42, 43, 44, 45], [7], [88, 3, 60, 12]]
     new = 8
@@ -165,7 +165,7 @@ def check_megatron(device: str) -> dict:
         from megatron_cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()
-    from rl_async.engine.models import build_causal_lm
+    from rl_async.state.models import build_causal_lm
     from rl_async.train import megatron_convert as conv
     from rl_async.train.megatron_backend import MegatronTrainer, MegatronTrainerConfig
 
@@ -207,7 +207,7 @@ def check_megatron(device: str) -> dict:
 
 
 def check_buckets(device: str) -> dict:
-    from rl_async.weights import bucket_named_tensors, flatten_bucket, unflatten_bucket
+    from rl_async.state.weights import bucket_named_tensors, flatten_bucket, unflatten_bucket
 
     gen = torch.Generator().manual_seed(3)
     named = [(f"t{i}", torch.randn(*shape, generator=gen).to(dtype).to(device))

@@ -3,7 +3,7 @@
 Questions "What is A + B? Answer with just the number." for A in 0..29 and B in 0..9, with
 their answers; one in five (A, B) pairs, chosen by a fixed seed, is held out for evaluation,
 so the eval reward measures unseen questions. Deterministic: rerunning rewrites the same files.
-The default reward (`rl_async.tasks:answer_match_reward`) compares the response's last number
+The default reward (`rl_async.algo.tasks:answer_match_reward`) compares the response's last number
 with `answer`.
 
     python scripts/make_arith_task.py [OUT_DIR]

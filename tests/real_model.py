@@ -10,7 +10,7 @@ from pathlib import Path
 
 @lru_cache(maxsize=1)
 def smollm2_dir() -> str:
-    from rl_async.prepare_model import prepare_model
+    from rl_async.state.prepare_model import prepare_model
 
     return str(prepare_model("smollm2"))  # cached: a no-op after the first conversion
 

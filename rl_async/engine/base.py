@@ -16,6 +16,12 @@ class EngineError(RuntimeError):
     """An engine refused or failed a request; the message names the request and the cause."""
 
 
+class TransientEngineError(EngineError):
+    """The request did not complete for reasons that say nothing about it (a reset
+    connection, an HTTP 5xx, a timeout, an engine that died): regenerate it
+    (rl_async.loop.faults says who decides what)."""
+
+
 class InvalidRequestError(EngineError):
     """Bad input (empty or over-long prompt, invalid sampling params). The engine keeps serving."""
 
@@ -106,7 +112,7 @@ class Engine(abc.ABC):
         """Many requests in one call (one actor call per batch): an async iterator of
         `[(index, GenerateOutput | EngineError), ...]` lists as requests finish. A request's
         own error is yielded as its value; closing the iterator early aborts the rest."""
-        from rl_async.batching import as_finished  # no cycle: batching has no engine imports
+        from rl_async.base.batching import as_finished  # no cycle: batching has no engine imports
 
         calls = [self.generate(ids, params) for ids, params in requests]
         async for finished in as_finished(calls, forward=(EngineError,)):

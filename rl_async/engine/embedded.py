@@ -48,12 +48,12 @@ from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, 
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
                                       prefill_isolated)
-from rl_async.engine.models import build_causal_lm, resolve_dtype
+from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
 from rl_async.engine.scheduler import Request, Scheduler
 from rl_async.engine.timing import RequestLatency, StepCurve
 from rl_async.engine.embedded_weights import EngineWeightsMixin
-from rl_async.weights import weights_checksum
+from rl_async.state.weights import weights_checksum
 
 
 @dataclass

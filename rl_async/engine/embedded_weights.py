@@ -1,7 +1,7 @@
 """Weight updates of the embedded engine: from a collective group or from tensors.
 
 A mixin of `EmbeddedEngine` (split out to keep files small). Buckets arrive flat over the
-publication group (rl_async.collective); after the first load of a bucket the parameters
+publication group (rl_async.state.collective); after the first load of a bucket the parameters
 ARE views into its receive buffer, so later publications land in the weights with no copy.
 """
 
@@ -11,9 +11,9 @@ import asyncio
 
 import torch
 
-from rl_async import collective
+from rl_async.state import collective
 from rl_async.engine.base import EngineError
-from rl_async.weights import bucket_nbytes, unflatten_bucket
+from rl_async.state.weights import bucket_nbytes, unflatten_bucket
 
 
 class EngineWeightsMixin:

@@ -39,9 +39,8 @@ from typing import Any
 import aiohttp
 
 from rl_async.engine.base import Engine, EngineError, EngineLoad, GenerateOutput, \
-    InvalidRequestError, SamplingParams
+    InvalidRequestError, SamplingParams, TransientEngineError
 from rl_async.engine import sglang_protocol as proto
-from rl_async.faults import TransientEngineError
 from rl_async.engine.sglang_args import SGLANG_VERSION, SGLangEngineConfig, \
     build_launch_command, build_launch_env, free_port
 
@@ -221,7 +220,7 @@ class SGLangEngine(Engine):
                 await asyncio.sleep(self.config.retry_backoff_s)
                 continue
             # Connection errors, timeouts and 5xx say nothing about the request: the
-            # producer aborts the sample and its group is regenerated (rl_async.faults).
+            # producer aborts the sample and its group is regenerated (rl_async.loop.faults).
             raise TransientEngineError(f"{where}: {failure} (attempt {attempt} of "
                                        f"{attempts})") from cause
         raise AssertionError("unreachable")

@@ -40,7 +40,7 @@ import math
 import random
 from collections import deque
 
-from rl_async import clock
+from rl_async.base import clock
 from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.synthetic_types import (  # noqa: F401 -- re-exported

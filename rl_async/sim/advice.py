@@ -20,9 +20,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from rl_async.capacity import Warning_, plan_capacity
-from rl_async.config import RunConfig
-from rl_async.config_load import load_config
+from rl_async.plan.capacity import Warning_, plan_capacity
+from rl_async.plan.config import RunConfig
+from rl_async.plan.load import load_config
 from rl_async.sim.calibrate import sim_timings
 from rl_async.sim.run import simulate
 

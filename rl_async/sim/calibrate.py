@@ -3,7 +3,7 @@
 Without `--calibrate`, every number comes from the run file's `[synthetic]` section, whose
 defaults describe a 7-8B bf16 model on one H100/H200 with SGLang (sources in
 rl_async/engine/timing.py). With `--calibrate SUMMARY_JSON` (a summary written by
-`rl-async run --summary-json`), the run's `calibration` section (rl_async.calibration)
+`rl-async run --summary-json`), the run's `calibration` section (rl_async.observe.calibration)
 replaces what it measured:
 
 - response lengths: lognormal(median = exp(mean log length), sigma = std of log length);
@@ -54,8 +54,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from rl_async.capacity import plan_capacity
-from rl_async.config import RunConfig
+from rl_async.plan.capacity import plan_capacity
+from rl_async.plan.config import RunConfig
 from rl_async.engine.timing import EngineTiming, ResponseLengths, TrainerTiming, TransferTiming
 from rl_async.sim.timings import SimTimings
 

@@ -10,7 +10,7 @@
         to every engine --> continue
 
 Everything but the engines' arithmetic and the trainer's compute is the code a real run
-executes (rl_async.producer, buffer, ledger, publish, controller, engine.router): the limits,
+executes (rl_async.loop.producer, buffer, ledger, publish, controller, engine.router): the limits,
 drains, staleness filter, evictions and retries are therefore the real ones. The engines are
 the synthetic engine (rl_async.engine.synthetic): a request waits for one of
 `max_running_requests` slots, joins the batch between two steps, pays prefill (which samples
@@ -28,19 +28,19 @@ from __future__ import annotations
 import asyncio
 import random
 
-from rl_async import clock
-from rl_async.buffer import CompletedBuffer
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
+from rl_async.base import clock
+from rl_async.loop.buffer import CompletedBuffer
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
 from rl_async.engine.base import GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
 from rl_async.engine.timing import bucket_sizes
-from rl_async.ledger import PromptLedger
-from rl_async.producer import Producer, ProducerLimits
-from rl_async.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
+from rl_async.loop.ledger import PromptLedger
+from rl_async.loop.producer import Producer, ProducerLimits
+from rl_async.observe.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
 from rl_async.sim.timings import SimTimings
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 OUTCOMES = ("delivered", "dropped", "evicted", "aborted")
 
@@ -131,7 +131,7 @@ class Occupancy:
 
 
 class SimFleet:
-    """A `Fleet` (rl_async.controller) of the real core with simulated engines and trainer."""
+    """A `Fleet` (rl_async.loop.controller) of the real core with simulated engines and trainer."""
 
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, seed: int = 0):
         self.cfg, self.plan, self.timings = cfg, plan, timings

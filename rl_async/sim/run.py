@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rl_async.capacity import CapacityPlan
-from rl_async.config import RunConfig
-from rl_async.controller import Controller
-from rl_async.queue_metrics import LENGTH_BIN_LABELS
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
+from rl_async.loop.controller import Controller
+from rl_async.observe.queue_metrics import LENGTH_BIN_LABELS
 from rl_async.sim.fleet import OUTCOMES, SimFleet
 from rl_async.sim.timings import SimTimings
 from rl_async.sim.virtual_loop import SimulationDeadlock, run_virtual

@@ -13,7 +13,7 @@ semaphores) is asyncio's own code, which is why the core's classes run unchanged
           | none
     deadlock: nothing can ever wake up -> SimulationDeadlock (a real run would hang here)
 
-The core reads time through rl_async.clock.now(), i.e. this loop's `time()`, so trainer wait,
+The core reads time through rl_async.base.clock.now(), i.e. this loop's `time()`, so trainer wait,
 generation and publication seconds come out in simulated seconds. Threads, subprocesses and
 sockets do not exist in simulated time: the simulated fleet uses none.
 """
@@ -67,7 +67,7 @@ class _VirtualSelector(selectors.BaseSelector):
 class VirtualClockLoop(asyncio.SelectorEventLoop):
     """`time()` starts at 0 and only moves when the loop would otherwise sleep."""
 
-    virtual_clock = True  # rl_async.clock.now() reads this loop's time, not the wall clock
+    virtual_clock = True  # rl_async.base.clock.now() reads this loop's time, not the wall clock
 
     def __init__(self) -> None:
         selector = _VirtualSelector()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rl_async.types import Sample
+from rl_async.base.types import Sample
 
 
 @dataclass

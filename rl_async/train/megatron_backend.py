@@ -36,16 +36,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from rl_async.advantages import DEFAULT_ESTIMATOR, group_advantages
-from rl_async.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms, ratio_quantile
+from rl_async.algo.advantages import DEFAULT_ESTIMATOR, group_advantages
+from rl_async.algo.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms, ratio_quantile
 from rl_async.train import megatron_model as mm
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, pack
-from rl_async.train.checkpoint import load_state, save_state
+from rl_async.state.trainer_state import load_state, save_state
 from rl_async.train.megatron_load import HFCheckpoint
 from rl_async.train.torch_trainer import lr_at
-from rl_async.types import Group
+from rl_async.base.types import Group
 
-# Sums this backend adds to rl_async.loss.SUM_STATS (the torch backend's names).
+# Sums this backend adds to rl_async.algo.loss.SUM_STATS (the torch backend's names).
 EXTRA_SUMS = ("versioned_tokens", "stale_tokens", "entropy_sum")
 
 
@@ -381,7 +381,7 @@ def hf_weights_from_run(cfg: Any) -> tuple[Any, dict[str, Tensor] | HFCheckpoint
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(m.path, local_files_only=True), HFCheckpoint(m.path)
-    from rl_async.engine.models import build_causal_lm
+    from rl_async.state.models import build_causal_lm
 
     hf = build_causal_lm(m.hf_config, None, m.init_seed, "float32")
     return hf.config, dict(hf.state_dict())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from rl_async.engine.synthetic import payload_checksum
 from rl_async.engine.timing import TrainerTiming, TransferTiming, bucket_sizes
-from rl_async.types import Group
+from rl_async.base.types import Group
 
 NEUTRAL_METRICS = {"train/loss": 0.0, "train/ppo_clip_fraction": 0.0,
                    "train/tis_clip_fraction": 0.0, "train/tis_ess_ratio": 1.0,

@@ -4,7 +4,7 @@ One call per collection (this rank's shard of whole groups):
 
 ```
 train_collection(groups, v)
-  advantages per group (registry, rl_async.advantages)
+  advantages per group (registry, rl_async.algo.advantages)
   anchor = score every response token with the PRE-update weights   (skipped when
            use_rollout_logprobs: anchor = behaviour log-probs; and when the collection
            is ONE optimizer step: the weights cannot change before its micro-batches run,
@@ -40,14 +40,14 @@ import torch
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
-from rl_async import loss as loss_lib
-from rl_async.advantages import get_advantage_fn, group_advantages
-from rl_async.train import checkpoint as ckpt
+from rl_async.algo import loss as loss_lib
+from rl_async.algo.advantages import get_advantage_fn, group_advantages
+from rl_async.state import trainer_state as ckpt
 from rl_async.train.batching import TrainItem, item_from_sample, pack, token_logprobs, unpack_rows
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
-from rl_async.engine.models import build_causal_lm, resolve_dtype
-from rl_async.types import Group
-from rl_async.weights import bucket_named_tensors, flatten_bucket
+from rl_async.state.models import build_causal_lm, resolve_dtype
+from rl_async.base.types import Group
+from rl_async.state.weights import bucket_named_tensors, flatten_bucket
 
 # Publication bucket size: large enough for few collectives, small enough to bound the copy.
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -353,8 +353,8 @@ class TorchTrainer:
                             dtype: str | torch.dtype | None = None
                             ) -> list[tuple[Tensor, list[str], list[str], list[list[int]]]]:
         """The publication tensors as `(flat uint8, names, dtypes, shapes)` buckets in the
-        stable parameter order, encoded with the shared codec `rl_async.weights` (the
-        receiver decodes with `rl_async.weights.unflatten_bucket`)."""
+        stable parameter order, encoded with the shared codec `rl_async.state.weights` (the
+        receiver decodes with `rl_async.state.weights.unflatten_bucket`)."""
         named = self.named_tensors_for_publication(dtype)
         return [flatten_bucket(b) for b in bucket_named_tensors(named, max_bucket_bytes)]
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 pytestmark = [
     pytest.mark.gpu, pytest.mark.megatron,

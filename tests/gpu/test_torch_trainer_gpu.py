@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

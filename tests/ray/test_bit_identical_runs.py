@@ -15,9 +15,9 @@ import pytest
 
 from launch.replay import replay
 from launch.run import run_training
-from rl_async.checks import validate
-from rl_async.config_load import load_config
-from rl_async.rollouts import compare_exports, read_collection
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
+from rl_async.state.rollouts import compare_exports, read_collection
 
 from wandb_records import history_rows  # tests/ray is on sys.path (rootdir-less test dir)
 

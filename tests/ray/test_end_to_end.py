@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from launch.run import run_training
-from rl_async.checks import validate
-from rl_async.config_load import load_config
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
 
 pytestmark = pytest.mark.ray
 

@@ -74,7 +74,7 @@ def test_killed_engine_is_replaced_and_the_next_transfers_reach_everyone(ray_clu
     import asyncio
 
     from actors.fleet import RayFleet
-    from rl_async.publish import Publisher
+    from rl_async.loop.publish import Publisher
 
     cfg, report = small("cluster_configs/local.toml", *FT, f"cluster.cpu_engines={engines}",
                         "publication.verify_checksum=true", name=f"t-ft-{when}{engines}")

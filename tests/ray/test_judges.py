@@ -6,9 +6,9 @@ from collections import Counter
 
 import pytest
 
-from rl_async.config_load import load_config
-from rl_async.judging import judge_deployment
-from rl_async.types import Sample
+from rl_async.plan.load import load_config
+from rl_async.algo.judging import judge_deployment
+from rl_async.base.types import Sample
 
 pytestmark = [pytest.mark.ray,
               # The test's 1 s look-back is shorter than Serve's deprecated metrics interval.
@@ -112,7 +112,7 @@ def test_failing_judge_is_retried_then_reported(serve_cluster):
 
     from actors.judges import delete_judge, deploy_judge
     from actors.rewards import RewardActor
-    from rl_async.rewards import RewardError
+    from rl_async.algo.rewards import RewardError
 
     class FlakyJudge:  # local class: pickled by value, so the replica needs no test import
         """Raises on the first `failures` calls for each prompt, then grades 1.0."""
@@ -154,7 +154,7 @@ def test_short_run_grades_through_the_judge_and_deletes_it(serve_cluster, tmp_pa
 
     from actors.judges import judge_replicas
     from launch.run import run_training
-    from rl_async.checks import validate
+    from rl_async.plan.checks import validate
 
     cfg = load_config("cluster_configs/local.toml", [
         "run.max_steps=2", "wandb.mode=disabled", "rollout.rollout_batch_size=4",

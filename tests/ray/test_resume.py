@@ -1,5 +1,5 @@
 """Durable runs on real actors: SIGKILL the driver mid-run, no orphan goes on, resume ends
-where the run should, with no prompt trained twice (rl_async.checkpoints)."""
+where the run should, with no prompt trained twice (rl_async.state.checkpoints)."""
 
 import json
 import os
@@ -12,8 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rl_async import checkpoints as ckpts
-
+from rl_async.state import checkpoints as ckpts
 pytestmark = pytest.mark.ray
 
 STEPS = 8
@@ -98,7 +97,7 @@ def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_pa
     run_dir = ckpts.new_run_dir(tmp_path, "t-resume")
     staged = ckpts.staging_dir(run_dir, 3)
     staged.mkdir()
-    from rl_async.config_load import load_config
+    from rl_async.plan.load import load_config
 
     cfg = load_config("cluster_configs/dev.toml",
                       [*ARGS, f"run.output_dir={tmp_path}", "run.name=t-resume"])

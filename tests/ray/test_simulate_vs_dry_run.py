@@ -12,9 +12,9 @@ import json
 import pytest
 
 from launch.run import run_training
-from rl_async.checks import validate
-from rl_async.config_load import load_config
-from rl_async.dry_run import dry_run_config
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
+from rl_async.plan.dry_run import dry_run_config
 from rl_async.sim.calibrate import sim_timings
 from rl_async.sim.run import simulate
 from test_dry_run import SHRINK

@@ -3,9 +3,9 @@
 import pytest
 
 from launch.run import run_training
-from rl_async.checks import validate
-from rl_async.config_load import load_config
-from rl_async.queue_metrics import metric_names, with_prefix
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
+from rl_async.observe.queue_metrics import metric_names, with_prefix
 
 from wandb_records import read_run  # tests/ray is on sys.path (rootdir-less test dir)
 

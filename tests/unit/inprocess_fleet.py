@@ -10,16 +10,16 @@ import copy
 import random
 from dataclasses import dataclass, field
 
-from rl_async.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer
 from rl_async.engine.base import GenerateOutput
-from rl_async.ledger import PromptLedger
-from rl_async.producer import Producer, ProducerLimits
-from rl_async.types import Group, Sample
+from rl_async.loop.ledger import PromptLedger
+from rl_async.loop.producer import Producer, ProducerLimits
+from rl_async.base.types import Group, Sample
 
 
 @dataclass
 class Disk:
-    """What survives a crash: complete checkpoints and the trained log (as in rl_async.checkpoints)."""
+    """What survives a crash: complete checkpoints and the trained log (as in rl_async.state.checkpoints)."""
     checkpoints: list[dict] = field(default_factory=list)
     trained: list[tuple[int, list[str]]] = field(default_factory=list)  # (step, group ids)
 

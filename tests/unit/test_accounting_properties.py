@@ -14,9 +14,9 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rl_async.buffer import BufferClosedError, CompletedBuffer
-from rl_async.ledger import PromptLedger
-from rl_async.types import Group, Sample
+from rl_async.loop.buffer import BufferClosedError, CompletedBuffer
+from rl_async.loop.ledger import PromptLedger
+from rl_async.base.types import Group, Sample
 
 OPS = st.lists(
     st.one_of(

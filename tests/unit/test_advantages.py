@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from rl_async.advantages import (advantage_names, get_advantage_fn, group_advantages,
+from rl_async.algo.advantages import (advantage_names, get_advantage_fn, group_advantages,
                                  group_normalized, mean_only, register_advantage_fn)
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 
 def test_group_norm_uses_population_std():

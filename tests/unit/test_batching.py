@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rl_async.batching import BatchIncomplete, MicroBatcher, as_finished
+from rl_async.base.batching import BatchIncomplete, MicroBatcher, as_finished
 
 
 def test_requests_of_one_tick_share_one_call_and_resolve_as_they_finish():

@@ -7,8 +7,8 @@ import pickle
 
 import pytest
 
-from rl_async.buffer import BufferClosedError, CompletedBuffer
-from rl_async.types import Group, Sample
+from rl_async.loop.buffer import BufferClosedError, CompletedBuffer
+from rl_async.base.types import Group, Sample
 
 
 def grp(gid: str, *versions: list[int] | None, attempt: int = 0) -> Group:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from rl_async.buffer import EVICT_OVERFLOW, EVICT_STALE, CompletedBuffer
-from rl_async.types import Group, Sample
+from rl_async.loop.buffer import EVICT_OVERFLOW, EVICT_STALE, CompletedBuffer
+from rl_async.base.types import Group, Sample
 
 
 def grp(gid: str, *versions: list[int]) -> Group:

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from rl_async.checks import validate
-from rl_async.config_load import resolve
+from rl_async.plan.checks import validate
+from rl_async.plan.load import resolve
 
 MODEL = {"hf_config": {"model_type": "llama"}}
 

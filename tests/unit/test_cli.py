@@ -2,15 +2,15 @@
 
 import json
 
-from rl_async.config import PROFILES
+from rl_async.plan.config import PROFILES
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rl_async.checks import validate
-from rl_async.config_load import load_config
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "cluster_configs").glob("*.toml"))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_async.compare import compare, default_target, time_to
+from rl_async.observe.compare import compare, default_target, time_to
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_async.config_load import ConfigError, load_config, parse_override, resolve
+from rl_async.plan.load import ConfigError, load_config, parse_override, resolve
 
 MODEL = {"hf_config": {"model_type": "llama", "vocab_size": 16}}
 

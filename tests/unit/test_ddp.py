@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 from rl_async.train.distributed import init_distributed
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 TINY = dict(model_type="llama", vocab_size=32, hidden_size=32, intermediate_size=64,
             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,

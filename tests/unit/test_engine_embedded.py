@@ -10,7 +10,7 @@ import torch
 from rl_async.engine import embedded as embedded_mod
 from rl_async.engine.base import EngineError, InvalidRequestError, SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from rl_async.engine.models import build_causal_lm, tiny_llama_config
+from rl_async.state.models import build_causal_lm, tiny_llama_config
 
 torch.set_num_threads(1)
 

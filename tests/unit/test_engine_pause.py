@@ -9,8 +9,8 @@ import torch
 
 from rl_async.engine.base import EngineError, InvalidRequestError, SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from rl_async.engine.models import build_causal_lm, tiny_llama_config
-from rl_async.weights import weights_checksum
+from rl_async.state.models import build_causal_lm, tiny_llama_config
+from rl_async.state.weights import weights_checksum
 
 torch.set_num_threads(1)
 PROMPT = [1, 5, 9, 3]

@@ -232,7 +232,7 @@ def test_prefill_samples_the_first_token_and_arrivals_join_at_the_next_step():
     """A response of n tokens takes its prefill and n - 1 decode steps (the prefill samples
     the first token), and a request arriving mid-step waits for that step's end: requests
     join a running batch only between steps, as in SGLang's and the embedded engine's loops."""
-    from rl_async import clock
+    from rl_async.base import clock
     from rl_async.sim.virtual_loop import run_virtual
 
     timing = EngineTiming(prefill_overhead_s=0.002, prefill_tokens_per_s=1e9,
@@ -265,7 +265,7 @@ def test_a_prefill_residue_below_the_clocks_resolution_does_not_stall_the_engine
     """Late in a simulation (t = 300 s) float time cannot advance by 1e-14 s; a prefill
     left with such a residue once spun the engine's loop forever (three_node.toml with
     publication.drain_timeout_s=10): the residue counts as done."""
-    from rl_async import clock
+    from rl_async.base import clock
     from rl_async.engine.synthetic_types import _Segment
     from rl_async.sim.virtual_loop import run_virtual
 

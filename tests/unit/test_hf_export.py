@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from rl_async.hf_export import export_checkpoint, export_hf
+from rl_async.state.hf_export import export_checkpoint, export_hf
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 from test_torch_trainer import TINY, make_groups, set_behavior_from
 

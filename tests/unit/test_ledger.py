@@ -8,9 +8,9 @@ import pickle
 
 import pytest
 
-from rl_async.buffer import CompletedBuffer
-from rl_async.ledger import COUNT_KEYS, LedgerError, PromptLedger
-from rl_async.types import Group, Sample
+from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.ledger import COUNT_KEYS, LedgerError, PromptLedger
+from rl_async.base.types import Group, Sample
 
 
 def factory(cursor: int, n: int = 2) -> Group | None:

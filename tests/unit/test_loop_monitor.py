@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rl_async.loop_monitor import CpuMeter, LoopMonitor, aggregate
+from rl_async.loop.monitor import CpuMeter, LoopMonitor, aggregate
 
 
 def test_a_blocked_loop_shows_lag_and_busy_time_an_idle_one_does_not():

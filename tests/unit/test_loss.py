@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rl_async.loss import policy_loss
+from rl_async.algo.loss import policy_loss
 
 L = math.log
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from rl_async.loss import policy_terms
+from rl_async.algo.loss import policy_terms
 from rl_async.train import megatron_model as mm
 from megatron_cpu_shims import megatron_cpu  # noqa: F401  (fixture)
 

@@ -61,7 +61,7 @@ def test_missing_checkpoint_and_tensor_are_named(tmp_path):
 
 
 def test_a_run_with_model_path_loads_lazily_and_a_config_model_whole(tmp_path):
-    from rl_async.config_load import resolve
+    from rl_async.plan.load import resolve
     from rl_async.train.megatron_backend import hf_weights_from_run
 
     hf_config, state = _save(tmp_path, "qwen2", False, True)

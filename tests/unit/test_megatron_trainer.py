@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl_async.config_load import resolve
+from rl_async.plan.load import resolve
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 from megatron_cpu_shims import megatron_cpu  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.megatron
@@ -147,7 +147,7 @@ def test_tp2_pp2_metrics_and_export_match_the_torch_trainer(tmp_path):
     pytest.importorskip("megatron.core")
     import torch.multiprocessing as mp
 
-    from rl_async.engine.models import build_causal_lm
+    from rl_async.state.models import build_causal_lm
 
     cfg = run_config()
     hf = build_causal_lm(cfg.model.hf_config, None, cfg.model.init_seed, "float32")

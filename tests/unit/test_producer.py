@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from rl_async.engine.base import EngineError, GenerateOutput
-from rl_async.producer import Producer, ProducerLimits
-from rl_async.rewards import RewardError
-from rl_async.types import Group, Sample
+from rl_async.loop.producer import Producer, ProducerLimits
+from rl_async.algo.rewards import RewardError
+from rl_async.base.types import Group, Sample
 
 
 class World:
@@ -239,7 +239,7 @@ def test_malformed_engine_reply_fails_the_group_with_its_cause():
 
 @pytest.mark.parametrize("granularity", ["group", "sample"])
 def test_zero_variance_groups_are_filtered_and_replaced(granularity):
-    from rl_async.producer import zero_variance
+    from rl_async.loop.producer import zero_variance
 
     world = World(group_size=3)
     filtered: list[tuple[str, str]] = []
@@ -275,7 +275,7 @@ def test_zero_variance_groups_are_filtered_and_replaced(granularity):
 
 
 def test_zero_variance_needs_equal_rewards():
-    from rl_async.producer import zero_variance
+    from rl_async.loop.producer import zero_variance
 
     same = Group("g", [Sample("p", reward=0.0), Sample("p", reward=0.0)])
     mixed = Group("g", [Sample("p", reward=0.0), Sample("p", reward=1.0)])
@@ -284,7 +284,7 @@ def test_zero_variance_needs_equal_rewards():
 
 
 def test_eval_metrics_pass_and_mean_at_k():
-    from rl_async.evaluation import eval_metrics
+    from rl_async.algo.evaluation import eval_metrics
 
     m = eval_metrics([1.0, 0.0], [[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
     assert m == {"reward": 0.5, "pass@3": 0.5, "mean@3": 1 / 6}

@@ -1,4 +1,4 @@
-"""The publication state machine (rl_async.publish) and the controller's use of it: the
+"""The publication state machine (rl_async.loop.publish) and the controller's use of it: the
 deadline (`publication.timeout_s`), the stage named when it is missed, and the rule that GPU
 trainers never overlap publication with training.
 
@@ -11,11 +11,11 @@ import asyncio
 
 import pytest
 
-from rl_async.checks import validate
-from rl_async.config_load import resolve
-from rl_async.controller import Controller, RunFailed, publication_overlaps_training
-from rl_async.publish import PublicationError, PublicationTimeout, Publisher, PubState
-from rl_async.types import Group, Sample
+from rl_async.plan.checks import validate
+from rl_async.plan.load import resolve
+from rl_async.loop.controller import Controller, RunFailed, publication_overlaps_training
+from rl_async.loop.publish import PublicationError, PublicationTimeout, Publisher, PubState
+from rl_async.base.types import Group, Sample
 
 MODEL = {"hf_config": {"model_type": "llama"}}
 
@@ -301,7 +301,7 @@ def _hung_peer(rank: int, port: int, timeout_s: float, results, release) -> None
     import torch
     import torch.distributed as dist
 
-    from rl_async.collective import init_custom_process_group
+    from rl_async.state.collective import init_custom_process_group
 
     group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, rank, "pub",
                                       timeout_s)

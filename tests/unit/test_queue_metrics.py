@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from rl_async.buffer import CompletedBuffer
-from rl_async.queue_metrics import (
+from rl_async.loop.buffer import CompletedBuffer
+from rl_async.observe.queue_metrics import (
     AGE_BIN_LABELS, COMPLETED_QUEUE_PREFIX, FULLY_ASYNC_PREFIX, LENGTH_BIN_LABELS, QueueMetrics,
     age_bin, length_bin, metric_names, with_prefix,
 )
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 
 def grp(gid: str, lens: list[int], version: int | None) -> Group:

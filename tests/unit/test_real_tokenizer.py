@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rl_async.tasks import DatasetError, encode_messages, load_jsonl
+from rl_async.algo.tasks import DatasetError, encode_messages, load_jsonl
 from real_model import arith_rows, smollm2_tokenizer
 
 

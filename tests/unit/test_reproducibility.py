@@ -9,17 +9,17 @@ import random
 import pytest
 import torch
 
-from rl_async.capacity import plan_capacity
-from rl_async.config_load import load_config
-from rl_async.controller import canonical_order, generates_per_collection
+from rl_async.plan.capacity import plan_capacity
+from rl_async.plan.load import load_config
+from rl_async.loop.controller import canonical_order, generates_per_collection
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from rl_async.engine.models import tiny_llama_config
+from rl_async.state.models import tiny_llama_config
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
-from rl_async.ledger import PromptLedger
-from rl_async.rollouts import compare_exports, read_collection, write_collection
-from rl_async.seeding import eval_seed, sample_seed
-from rl_async.types import Group, Sample
+from rl_async.loop.ledger import PromptLedger
+from rl_async.state.rollouts import compare_exports, read_collection, write_collection
+from rl_async.algo.seeding import eval_seed, sample_seed
+from rl_async.base.types import Group, Sample
 
 torch.set_num_threads(1)
 
@@ -50,7 +50,7 @@ def test_the_ledger_stamps_cursor_on_every_attempt():
 
 
 def test_producer_seeds_each_sample_from_cursor_attempt_and_index():
-    from rl_async.producer import Producer, ProducerLimits
+    from rl_async.loop.producer import Producer, ProducerLimits
 
     seen: dict[tuple, int] = {}
     cursor = iter(range(1000))

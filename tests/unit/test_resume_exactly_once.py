@@ -12,9 +12,9 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rl_async.checks import validate
-from rl_async.config_load import load_config
-from rl_async.controller import Controller
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
+from rl_async.loop.controller import Controller
 from inprocess_fleet import Disk, InProcessFleet
 
 STEPS = 6

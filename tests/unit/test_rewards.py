@@ -4,18 +4,18 @@ import asyncio
 
 import pytest
 
-from rl_async.rewards import RewardError, RewardRunner, load_callable
-from rl_async.types import Sample
+from rl_async.algo.rewards import RewardError, RewardRunner, load_callable
+from rl_async.base.types import Sample
 
 
 def test_load_callable_errors_name_the_key():
-    assert load_callable("rl_async.tasks:successor_reward").__name__ == "successor_reward"
+    assert load_callable("rl_async.algo.tasks:successor_reward").__name__ == "successor_reward"
     with pytest.raises(ValueError, match="reward.function = 'nocolon'"):
         load_callable("nocolon")
     with pytest.raises(ValueError, match="cannot import module"):
         load_callable("no_such_module_xyz:f")
     with pytest.raises(ValueError, match="has no attribute 'nope'"):
-        load_callable("rl_async.tasks:nope")
+        load_callable("rl_async.algo.tasks:nope")
 
 
 def run(runner, sample=None):

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from rl_async.calibration import CalibrationStats
-from rl_async.capacity import plan_capacity
-from rl_async.config_load import load_config
+from rl_async.observe.calibration import CalibrationStats
+from rl_async.plan.capacity import plan_capacity
+from rl_async.plan.load import load_config
 from rl_async.sim.calibrate import SYNTHETIC, sim_timings
 from rl_async.sim.run import simulate
 from rl_async.sim.virtual_loop import SimulationDeadlock, VirtualClockLoop, run_virtual
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCAL = ROOT / "cluster_configs" / "local.toml"
@@ -276,7 +276,7 @@ def test_a_calibrated_evaluation_lasts_at_least_as_long_as_the_real_one():
 def test_every_run_summary_carries_a_calibration_section():
     from inprocess_fleet import Disk, InProcessFleet
 
-    from rl_async.controller import Controller
+    from rl_async.loop.controller import Controller
 
     cfg = load_config(LOCAL, ["run.max_steps=3", "rollout.rollout_batch_size=2",
                               "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
@@ -344,8 +344,7 @@ def test_a_simulated_stall_fails_like_a_real_run():
 def test_core_clock_is_wall_time_in_a_real_loop_and_virtual_in_the_simulator():
     import time
 
-    from rl_async import clock
-
+    from rl_async.base import clock
     async def read():
         await asyncio.sleep(100 if isinstance(asyncio.get_running_loop(), VirtualClockLoop)
                             else 0)

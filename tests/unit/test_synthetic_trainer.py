@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from rl_async.controller import orchestration_metrics
+from rl_async.loop.controller import orchestration_metrics
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
 from rl_async.engine.timing import TrainerTiming, TransferTiming
 from rl_async.train.synthetic import SyntheticTrainer
-from rl_async.types import Group, Sample
+from rl_async.base.types import Group, Sample
 
 
 def group(versions: list[int]) -> Group:

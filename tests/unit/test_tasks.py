@@ -4,11 +4,11 @@ import json
 
 import pytest
 
-from rl_async.config_load import resolve
-from rl_async.tasks import (BOS, DIGIT0, EOS, DatasetError, PromptSource, answer_match_reward,
+from rl_async.plan.load import resolve
+from rl_async.algo.tasks import (BOS, DIGIT0, EOS, DatasetError, PromptSource, answer_match_reward,
                             final_answer, load_jsonl, stop_token_ids, successor_prompts,
                             successor_reward)
-from rl_async.types import Sample
+from rl_async.base.types import Sample
 
 
 def test_successor_split_is_disjoint_and_covers_every_answer():

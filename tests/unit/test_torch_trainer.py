@@ -6,12 +6,12 @@ import random
 import pytest
 import torch
 
-from rl_async.advantages import group_advantages
-from rl_async.loss import policy_loss
-from rl_async.engine.models import build_causal_lm
+from rl_async.algo.advantages import group_advantages
+from rl_async.algo.loss import policy_loss
+from rl_async.state.models import build_causal_lm
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
-from rl_async.types import Group, Sample
-from rl_async.weights import unflatten_bucket, weights_checksum
+from rl_async.base.types import Group, Sample
+from rl_async.state.weights import unflatten_bucket, weights_checksum
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,9 @@ import torch.multiprocessing as mp
 
 from two_ranks import free_port, run_pair  # tests/ is on the path
 
-from rl_async.collective import destroy_group, init_custom_process_group
-from rl_async.engine.models import build_causal_lm, tiny_llama_config
-from rl_async.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
+from rl_async.state.collective import destroy_group, init_custom_process_group
+from rl_async.state.models import build_causal_lm, tiny_llama_config
+from rl_async.state.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
                               unflatten_bucket, weights_checksum)
 
 MIXED = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),

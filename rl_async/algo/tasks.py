@@ -1,0 +1,281 @@
+"""Prompt sources: the built-in verifiable task and JSONL prompt files, plus their verifiers.
+
+A prompt source is deterministic in its cursor: `prompt(cursor)` always returns the same
+prompt for the same cursor and seed, so the ledger can checkpoint a cursor and restore the
+exact stream (LESSONS: miles#2254 lost groups when the cursor ran ahead of training).
+
+Built-in task "successor": the prompt is `BOS d1 .. dk` (k = task.prompt_digits digits in
+[0, modulus)); the reward is 1.0 when the first response token is (dk + 1) mod modulus,
+else 0.0. The leading digits are distractors, so the policy must learn to read the right
+position and apply the rule; a tenth of the digit strings is held out for evaluation, so the
+eval reward measures generalisation to unseen prompts, not memorisation. A random tiny model
+starts near 1/vocab and RL lifts it close to 1.0 in a few dozen updates on a CPU.
+
+JSONL rows: {"prompt_ids": [int, ...], ...}, {"prompt": "text", "answer": "..."} or
+{"messages": [{"role": "system", "content": ...}, {"role": "user", ...}], "answer": ...}.
+Text and messages go through the model's tokenizer and its chat template (when it has one;
+a digit-only prompt without a tokenizer uses the built-in digit tokens). Token ids are
+checked against the model's vocabulary when the file is loaded. Every other field is
+kept as metadata for the reward function; `answer_match_reward` compares the decoded
+response's final answer with `answer`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rl_async.base.types import Group, Sample
+
+PAD, BOS, EOS, SEP = 0, 1, 2, 3
+DIGIT0 = 4  # token id of digit 0
+
+
+class DatasetError(ValueError):
+    """A bad dataset row; the message names the file, the line and the field."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    prompt_id: str
+    prompt_ids: list[int]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource:
+    """A deterministic, seeded, endlessly cycling stream of prompts (one epoch = one shuffle)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int):
+        if not prompts:
+            raise DatasetError("the prompt source is empty: no prompts to train on")
+        self.prompts = prompts
+        self.seed = seed
+        # The current epoch's shuffle, kept: shuffling per prompt made every prompt O(dataset)
+        # (the prompt source's main cost at fleet rates). Cursors move forward, so one epoch
+        # is cached; a cursor of another epoch (resume, tests) recomputes it.
+        self._epoch: int | None = None
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def prompt(self, cursor: int) -> Prompt:
+        epoch, index = divmod(cursor, len(self.prompts))
+        if epoch != self._epoch:
+            order = list(range(len(self.prompts)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self.prompts[self._order[index]]
+
+    def group(self, cursor: int, group_size: int) -> Group:
+        """The cursor-th prompt as a fresh group of `group_size` samples."""
+        p = self.prompt(cursor)
+        samples = [Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
+                          metadata=dict(p.metadata)) for _ in range(group_size)]
+        return Group(group_id=f"c{cursor}:{p.prompt_id}", samples=samples)
+
+
+def successor_prompts(modulus: int, vocab_size: int, digits: int = 3,
+                      split: str = "train") -> list[Prompt]:
+    """All `modulus ** digits` digit strings. Strings whose digit sum is a multiple of 10 are
+    the held-out eval split: every answer digit occurs there, with unseen leading digits."""
+    if DIGIT0 + modulus > vocab_size:
+        raise DatasetError(
+            f"task.modulus = {modulus} needs a vocabulary of at least {DIGIT0 + modulus} tokens "
+            f"(4 specials + digits); model.hf_config.vocab_size = {vocab_size}")
+    prompts = []
+    for index in range(modulus ** digits):
+        ds = [(index // modulus ** i) % modulus for i in reversed(range(digits))]
+        if (sum(ds) % 10 == 0) != (split == "eval"):
+            continue
+        prompts.append(Prompt(
+            prompt_id="succ" + "-".join(map(str, ds)),
+            prompt_ids=[BOS] + [DIGIT0 + d for d in ds],
+            metadata={"answer_ids": [DIGIT0 + (ds[-1] + 1) % modulus]}))
+    return prompts
+
+
+def successor_reward(sample: Sample) -> float:
+    """1.0 when the response starts with the expected answer token(s), else 0.0."""
+    answer = sample.metadata["answer_ids"]
+    return 1.0 if list(sample.response_ids[: len(answer)]) == list(answer) else 0.0
+
+
+def exact_match_reward(sample: Sample) -> float:
+    """JSONL tasks: 1.0 when the response (up to EOS) equals the row's `answer_ids`."""
+    answer = sample.metadata.get("answer_ids")
+    if answer is None:
+        raise KeyError(f"prompt {sample.prompt_id!r} has no 'answer_ids' for exact_match_reward")
+    response = list(sample.response_ids)
+    if EOS in response:
+        response = response[: response.index(EOS)]
+    return 1.0 if response == list(answer) else 0.0
+
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
+    """`messages`: a non-empty list of {"role", "content"} chat messages (system, user, earlier
+    turns); the conversation to continue, so its last message must not be the assistant's."""
+    if not (isinstance(messages, list) and messages):
+        raise DatasetError(f"{where}: messages must be a non-empty list of "
+                           f"{{\"role\": ..., \"content\": ...}} objects")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and m.get("role") in ROLES
+                and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{where}: messages[{i}] = {m!r}: needs a role in {ROLES} and a "
+                               f"string content")
+    if messages[-1]["role"] == "assistant":
+        raise DatasetError(f"{where}: messages ends with an assistant turn; the last message "
+                           f"is the one the policy answers (user or tool)")
+    return messages
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation ready for the assistant's answer: through the chat template
+    when the tokenizer has one, else the plain text of a single message.
+
+    The template is rendered to text and then encoded without extra special tokens, so the
+    result is a plain list of ints whatever `apply_chat_template(tokenize=True)` returns in the
+    installed transformers (a BatchEncoding in 5.x: listing it gives its keys)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+    if len(messages) != 1:
+        raise DatasetError("a multi-turn `messages` row needs a tokenizer with a chat template "
+                           "(model.path's tokenizer_config.json has none)")
+    return [int(t) for t in tokenizer.encode(messages[0]["content"])]
+
+
+def _check_ids(ids: Any, where: str, field_name: str, vocab_size: int | None) -> list[int]:
+    if not (isinstance(ids, list) and ids and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+        raise DatasetError(f"{where}: {field_name} must be a non-empty list of int token ids")
+    bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise DatasetError(f"{where}: {field_name} has token ids {bad[:5]} outside the model's "
+                           f"vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _row_to_prompt(row: Any, where: str, tokenizer=None, vocab_size: int | None = None) -> Prompt:
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    text = row.get("prompt")
+    if "prompt_ids" in row:
+        ids, field_name = row["prompt_ids"], "prompt_ids"
+    elif "messages" in row:
+        if tokenizer is None:
+            raise DatasetError(f"{where}: messages need model.path with a tokenizer")
+        ids, field_name = encode_messages(tokenizer, _check_messages(row["messages"], where)), \
+            "messages"
+    elif isinstance(text, str) and text.strip() and tokenizer is not None:
+        ids, field_name = encode_messages(tokenizer, [{"role": "user", "content": text}]), "prompt"
+    elif isinstance(text, str) and text.strip().isdigit():
+        ids, field_name = [BOS] + [DIGIT0 + int(ch) for ch in text.strip()], "prompt"
+    else:
+        raise DatasetError(f"{where}: needs 'prompt_ids' (list of ints), 'messages' (chat) or "
+                           f"a non-empty 'prompt' (text needs model.path with a tokenizer; "
+                           f"digits work without)")
+    ids = _check_ids(ids, where, field_name, vocab_size)
+    meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "prompt", "messages", "id")}
+    if ("answer" in meta and "answer_ids" not in meta and tokenizer is None
+            and str(meta["answer"]).isdigit()):
+        meta["answer_ids"] = [DIGIT0 + int(ch) for ch in str(meta["answer"])]
+    return Prompt(prompt_id=str(row.get("id", where)), prompt_ids=list(ids), metadata=meta)
+
+
+def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[Prompt]:
+    """Every row of a JSONL prompt file; token ids are checked against `vocab_size` here, at
+    load time, so a bad row stops the run at start with its file, line and field."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"task.path = {str(p)!r}: file not found")
+    prompts = []
+    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{p}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+        prompts.append(_row_to_prompt(row, where, tokenizer, vocab_size))
+    if not prompts:
+        raise DatasetError(f"task.path = {str(p)!r}: no prompts in the file")
+    return prompts
+
+
+def build_prompts(task_cfg, vocab_size: int, split: str = "train",
+                  tokenizer=None) -> list[Prompt]:
+    """Prompts for a TaskSection: `split` is "train" or "eval"."""
+    if task_cfg.name == "successor":
+        return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
+    path = task_cfg.path if split == "train" else (task_cfg.eval_path or task_cfg.path)
+    return load_jsonl(path, tokenizer, vocab_size)
+
+
+def load_tokenizer(model_cfg):
+    """The checkpoint's tokenizer (local files only), or None for config-built models."""
+    if model_cfg.path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+
+
+def stop_token_ids(cfg) -> tuple[int, ...]:
+    """rollout.stop_token_ids, else the built-in task's EOS, else the model's eos_token_id."""
+    if cfg.rollout.stop_token_ids is not None:
+        return tuple(cfg.rollout.stop_token_ids)
+    if cfg.task.name == "successor":
+        return (EOS,)
+    if cfg.model.path is None:
+        return ()
+    from transformers import AutoConfig
+
+    eos = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def final_answer(text: str) -> str | None:
+    """The last \\boxed{...} in `text`, else its last number, else None."""
+    boxed = _BOXED.findall(text)
+    if boxed:
+        return boxed[-1].strip()
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def answer_match_reward(sample: Sample) -> float:
+    """Text tasks: 1.0 when the final answer of the decoded response equals the row's
+    `answer` (the reward actor fills `metadata["response_text"]` from the tokenizer)."""
+    text = sample.metadata.get("response_text")
+    if text is None or "answer" not in sample.metadata:
+        raise KeyError(f"prompt {sample.prompt_id!r}: answer_match_reward needs metadata "
+                       f"'answer' and a decoded 'response_text' (set model.path)")
+    return 1.0 if final_answer(text) == str(sample.metadata["answer"]).strip() else 0.0
+
+
+def default_reward_path(task_cfg) -> str:
+    return ("rl_async.algo.tasks:successor_reward" if task_cfg.name == "successor"
+            else "rl_async.algo.tasks:answer_match_reward")
+
+
+def model_vocab_size(model_cfg) -> int:
+    """Vocabulary size of the configured model, without building it."""
+    from transformers import AutoConfig
+
+    if model_cfg.hf_config is not None:
+        hf = dict(model_cfg.hf_config)
+        return int(AutoConfig.for_model(hf.pop("model_type"), **hf).vocab_size)
+    return int(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True).vocab_size)

@@ -1,0 +1,124 @@
+"""Plain data passed between every component: samples, groups, collections.
+
+A *group* is the unit that travels through the system: the `n_samples_per_prompt` responses
+to one prompt, generated, rewarded and delivered to training together. Everything here is a
+picklable dataclass (groups cross Ray actor boundaries) and holds no tensors.
+
+Per-token bookkeeping that the rest of the system relies on:
+
+- `token_versions[i]` is the policy version of the weights that sampled response token i.
+  Age and staleness are computed from these and nothing else (SPEC §5).
+- `behavior_logprobs[i]` is the engine's log-prob of response token i at sampling time. It is
+  the TIS denominator and is never recomputed (LESSONS: ROLL#242).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One response to one prompt."""
+
+    prompt_id: str
+    response_ids: list[int] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    behavior_logprobs: list[float] = field(default_factory=list)
+    reward: float | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    # "stop" (stop token), "length" (max_new_tokens), "abort" (engine aborted it).
+    finish_reason: str = ""
+    # Free-form task data (e.g. the expected answer) carried from the prompt source to reward.
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # The sampling seed this attempt was generated with (rl_async.algo.seeding); None = the
+    # engine's own stream (arrival order).
+    seed: int | None = None
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+    def oldest_version(self) -> int | None:
+        """Oldest policy version among this sample's tokens; None when none was recorded."""
+        return min(self.token_versions) if self.token_versions else None
+
+    def fresh_copy(self) -> Sample:
+        """The same prompt with nothing of a previous attempt (tokens, log-probs, versions)."""
+        return Sample(
+            prompt_id=self.prompt_id,
+            prompt_ids=list(self.prompt_ids),
+            metadata=dict(self.metadata),
+        )
+
+
+@dataclass
+class Group:
+    """The `n_samples_per_prompt` responses to one prompt: the unit of buffering and training.
+
+    `group_id` names the prompt (stable across retries); `attempt` counts regenerations from
+    the original prompt; `cursor` is the prompt's position in the source (set by the ledger;
+    -1 = not issued by one). (cursor, attempt) orders a collection canonically and, with the
+    run seed and a sample's index, seeds its sampling. `arrival_seq` is assigned by the
+    completed buffer on insertion.
+    """
+
+    group_id: str
+    samples: list[Sample]
+    attempt: int = 0
+    cursor: int = -1
+    arrival_seq: int = -1
+    # Filled in when the group is delivered: its age at dequeue (None = unknown).
+    age_at_delivery: int | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.samples)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(s.response_len for s in self.samples)
+
+    def oldest_version(self) -> int | None:
+        """min of every recorded token version over all responses (SPEC §5); None = unknown."""
+        versions = [v for v in (s.oldest_version() for s in self.samples) if v is not None]
+        return min(versions) if versions else None
+
+    def summed_oldest_versions(self) -> int:
+        """Sum over samples of each sample's oldest version (eviction tie-break, SPEC §6).
+
+        A smaller sum means larger summed staleness. Samples without versions add nothing.
+        """
+        return sum(v for v in (s.oldest_version() for s in self.samples) if v is not None)
+
+    def age(self, current_version: int) -> int | None:
+        """`current_version - oldest token version`; None when the age is unknown.
+
+        A token version newer than `current_version` is an error (SPEC §5): it means the
+        caller passed a stale version, and every staleness decision would be wrong.
+        """
+        oldest = self.oldest_version()
+        if oldest is None:
+            return None
+        newest = max(max(s.token_versions) for s in self.samples if s.token_versions)
+        if newest > current_version:
+            raise ValueError(
+                f"group {self.group_id!r} has a token of policy version {newest}, newer than "
+                f"the current version {current_version}: the version passed to the buffer "
+                f"must be the controller's latest"
+            )
+        return current_version - oldest
+
+    def fresh_attempt(self) -> Group:
+        """A new attempt at the same ORIGINAL prompts, with nothing of this attempt kept."""
+        return Group(
+            group_id=self.group_id,
+            samples=[s.fresh_copy() for s in self.samples],
+            attempt=self.attempt + 1,
+            cursor=self.cursor,
+        )
+
+    def replace(self, **changes: Any) -> Group:
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,405 @@
+"""The controller loop: owns the policy version, collections, publication, eval and drains.
+
+    evaluate(v=0) --> start producer
+      loop until run.max_steps optimizer updates:
+        [sync: allow one collection]  get rollout_batch_size groups at version v  (trainer wait)
+        train the collection (k optimizer updates)      v += k
+        publish v to every engine (Publisher state machine)
+        metrics -> logger;  [eval every N with a lifecycle drain];  [checkpoint]
+      shutdown drain (nothing owned is lost) --> evaluate(final) --> summary
+
+Everything remote goes through the `Fleet` protocol (Ray actor handles in actors/), so this
+loop has no Ray in it. Failures are never waited out: the collection wait races the producer
+task, and a dead producer, engine, reward or buffer actor ends the run with its cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from rl_async.base import clock
+from rl_async.observe.calibration import CalibrationStats
+from rl_async.plan.capacity import CapacityPlan
+from rl_async.plan.config import RunConfig
+from rl_async.loop.faults import quote
+from rl_async.loop.publish import PublicationOps, Publisher
+from rl_async.base.types import Group
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on an error; the message names the component and the cause."""
+
+
+class Fleet(PublicationOps, Protocol):
+    async def producer_task(self) -> asyncio.Future: ...
+    async def producer_set_target(self, groups: float) -> None: ...
+    async def producer_pause_admission(self) -> None: ...
+    async def producer_resume_admission(self) -> None: ...
+    async def producer_wait_idle(self, timeout_s: float) -> bool: ...
+    async def producer_stop(self) -> None: ...
+    async def get_groups(self, n: int, version: int) -> list[Group]: ...
+    async def buffer_set_version(self, version: int) -> None: ...
+    async def buffer_reserve(self, n_groups: int) -> None: ...
+    async def producer_groups_owned(self) -> int: ...
+    async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
+    async def evaluate(self) -> dict[str, float]: ...
+    async def checkpoint(self, step: int, version: int) -> str: ...
+    async def record_trained(self, step: int, version: int, groups: list[Group]) -> None: ...
+    async def metrics(self) -> dict[str, float]: ...
+    async def ledger(self) -> dict[str, int]: ...
+    async def progress_marker(self) -> int: ...
+    async def diagnosis(self) -> dict: ...
+    async def faults(self) -> dict: ...
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    version: int = 0
+    reward: float = 0.0
+    staleness: float = 0.0
+    trainer_wait_seconds: float = 0.0
+    discard_fraction: float = 0.0
+    initial_eval: float | None = None
+    final_eval: float | None = None
+    # [step, wall seconds since the loop started, eval/reward] for every evaluation, and the
+    # first and last evaluation's full metrics (pass@k, mean@k with eval.n_samples).
+    eval_curve: list = field(default_factory=list)
+    eval_first: dict = field(default_factory=dict)
+    eval_last: dict = field(default_factory=dict)
+    useful_tokens: int = 0
+    max_staleness: int = 0
+    staleness_sum: int = 0
+    staleness_groups: int = 0
+    phase: str = "starting"
+
+
+def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
+    """Whether a publication's drain and broadcast may run while the next collection trains.
+
+    Needs a lag of at least 2: engines then trail the trainer by one publication, so the
+    tokens they make while the next collection trains are already one version old when it
+    is published. At lag 1 that leaves no room: every group started before the transfer
+    lands is two versions old when dequeued, so overlapping discarded about a third of all
+    groups (measured on the local demo) to save the publication's time; lag 1 publishes
+    between steps instead, and its groups are one version old at most.
+    Never with trainers on GPU: trainer rank 0 would broadcast on the publication NCCL
+    communicator from one actor thread while DDP/TP/PP collectives run from another on the
+    same device and default stream; NCCL gives no ordering between two communicators' kernels
+    there, and the two can deadlock each other. The fix would be a dedicated CUDA stream per
+    communicator with explicit event ordering; until that exists and is tested on a GPU, GPU
+    trainers publish between steps. On CPU (gloo), each group has its own connections and
+    the overlap is safe.
+    """
+    return cfg.fully_async and plan.max_weight_staleness >= 2 and not cfg.cluster.trainer_gpus
+
+
+def generates_per_collection(cfg: RunConfig, plan: CapacityPlan) -> bool:
+    """Whether the producer opens exactly one collection's groups per policy version.
+
+    Synchronous runs, and async runs at lag 0: a group sampled ahead at lag 0 could only be
+    discarded (its version is gone by the time it is dequeued) and re-attempted with fresh
+    randomness, so the producer opens only what the current version will train. Lag 0 then
+    equals sync by construction (same prompts, same versions, same seeds, same tokens)."""
+    return not cfg.fully_async or plan.max_weight_staleness == 0
+
+
+def canonical_order(groups: list[Group]) -> list[Group]:
+    """A collection in (prompt cursor, attempt) order, not completion order: micro-batches and
+    data-parallel shards (groups[rank::world]) are then functions of the data alone."""
+    return sorted(groups, key=lambda g: (g.cursor, g.attempt))
+
+
+class Controller:
+    def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
+                 log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0,
+                 start_step: int = 0, start_version: int = 0):
+        """`start_step` / `start_version`: a resumed run continues the counts of its
+        checkpoint (run.max_steps is the run's total)."""
+        self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
+        self.version = start_version
+        self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                                   cfg.publication.timeout_s)
+        self.progress = Progress(step=start_step, version=start_version)
+        # What `rl-async simulate --calibrate` reads back from the summary.
+        self.calibration = CalibrationStats()
+        self.watchdog_s = watchdog_s
+        self._producer: asyncio.Future | None = None
+        self._start = 0.0
+        # Set by a graceful stop request: finish the current collection, drain, summarise.
+        self.stop_requested = False
+        self._pub_task: asyncio.Future | None = None
+        self._overlap_publication = publication_overlaps_training(cfg, plan)
+        self.checkpoint_dir: str | None = None
+        # a resumed run already holds the checkpoint of its start step
+        self._checkpoint_step: int | None = start_step if start_step else None
+
+    async def run(self) -> dict[str, Any]:
+        self._start = clock.now()
+        p = self.progress
+        p.phase = "eval"
+        p.initial_eval = await self._evaluate()
+        if generates_per_collection(self.cfg, self.plan):
+            # Before the producer starts: with no target it would open groups up to its
+            # whole budget, which may exceed one collection (then sampled ahead and stale).
+            await self.fleet.producer_set_target(0)
+        self._producer = await self.fleet.producer_task()
+        p.phase = "training"
+        try:
+            while p.step < self.cfg.run.max_steps and not self.stop_requested:
+                await self._one_collection()
+        except BaseException:
+            # No drain after a failure: the actor that failed may be the one a drain waits
+            # on. The driver reports the cause and the ledger as it stands.
+            p.phase = "failed"
+            raise
+        p.phase = "draining"
+        self.log(await self._finish_publication(), p.step)  # final eval needs final weights
+        await self._shutdown_drain()
+        p.phase = "eval"
+        p.final_eval = await self._evaluate()
+        p.phase = "checkpoint"
+        await self._checkpoint()  # every run ends with a checkpoint and its HF export
+        p.phase = "done"
+        return await self.summary()
+
+    async def _one_collection(self) -> None:
+        p = self.progress
+        if generates_per_collection(self.cfg, self.plan):
+            await self.fleet.producer_set_target(self.plan.rollout_batch_size)
+        wait_start = clock.now()
+        groups = canonical_order(await self._get_collection())
+        wait = clock.now() - wait_start
+        train_start = clock.now()
+        train_metrics = await self._bounded(self.fleet.train(groups, self.version),
+                                            f"training the collection at version {self.version}")
+        train_s = clock.now() - train_start
+        trained_at = self.version
+        self.version += self.plan.optimizer_steps_per_collection
+        p.step += self.plan.optimizer_steps_per_collection
+        await self.fleet.record_trained(p.step, trained_at, groups)
+        pub_start = clock.now()
+        # Actor metrics are gathered while the publication snapshots (one round trip each,
+        # slow when actors are busy): the loop does not pay for them in turn.
+        fleet_metrics = asyncio.ensure_future(self._gather_metrics(pub_start))
+        pub_metrics = await self._publish(self.version)
+        pub_s = clock.now() - pub_start
+        gathered, gather_s = await fleet_metrics
+        updates = self.plan.optimizer_steps_per_collection
+        metrics = {**train_metrics, **pub_metrics, **gathered,
+                   # the gather's time, and what of it the loop waited beyond the publication
+                   "perf/metrics_gather_seconds": gather_s,
+                   "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
+        metrics.update(self._collection_metrics(groups, wait))
+        metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
+                                             pub_s, self.plan.optimizer_steps_per_collection))
+        self.calibration.observe_collection(groups, train_s)
+        self.calibration.observe_metrics(metrics)
+        self.log(metrics, p.step)
+        every = self.cfg.eval.every_steps
+        if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
+            await self._evaluate_mid_run()
+        ce = self.cfg.run.checkpoint_every
+        if ce and p.step % ce == 0:
+            await self._checkpoint()
+
+    async def _gather_metrics(self, start: float) -> tuple[dict[str, float], float]:
+        metrics = await self.fleet.metrics()
+        return metrics, clock.now() - start
+
+    async def _publish(self, version: int) -> dict[str, float]:
+        """Publish `version`. When overlap is allowed (publication_overlaps_training), only the
+        snapshot is awaited: the drain and transfer overlap the next collection's training,
+        and the next publication first waits for this one (one transfer at a time). Engines
+        then lag the trainer by at most one publication, which the staleness filter accounts
+        for."""
+        previous = await self._finish_publication()
+        snapshotted = asyncio.Event()
+        task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
+        waiter = asyncio.ensure_future(snapshotted.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()  # a failure before the snapshot finished: raise it here
+        self._pub_task = task
+        if not self._overlap_publication:
+            return await self._finish_publication()
+        return previous
+
+    async def _finish_publication(self) -> dict[str, float]:
+        """Wait for the publication in flight, if any; its metrics (empty when none)."""
+        task, self._pub_task = self._pub_task, None
+        if task is None:
+            return {}
+        result = await task
+        await self.fleet.buffer_set_version(result.version)
+        return result.metrics()
+
+    def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
+        p = self.progress
+        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
+        ages = [g.age_at_delivery for g in groups if g.age_at_delivery is not None]
+        tokens = sum(g.response_tokens for g in groups)
+        p.version = self.version
+        p.reward = sum(rewards) / max(1, len(rewards))
+        p.staleness = sum(ages) / len(ages) if ages else 0.0
+        p.max_staleness = max([p.max_staleness, *ages])
+        p.staleness_sum += sum(ages)
+        p.staleness_groups += len(ages)
+        p.trainer_wait_seconds += wait
+        p.useful_tokens += tokens
+        elapsed = max(1e-9, clock.now() - self._start)
+        return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
+                "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
+                "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
+                "policy/version": float(self.version)}
+
+    async def _get_collection(self) -> list[Group]:
+        """Wait for a collection while watching the producer: a dead producer (or an engine,
+        reward or source actor it depends on) ends the wait with its cause."""
+        get = asyncio.ensure_future(self.fleet.get_groups(self.plan.rollout_batch_size,
+                                                          self.version))
+        stall_s = self.cfg.run.stall_timeout_s
+        tick = min(self.watchdog_s, stall_s / 4)
+        marker, since = await self.fleet.progress_marker(), clock.now()
+        while True:
+            pub = self._pub_task
+            if pub is not None and pub.done() and pub.exception() is not None:
+                get.cancel()
+                raise RunFailed(f"weight publication of version {self.version} failed: "
+                                f"{pub.exception()}") from pub.exception()
+            watched = {get, self._producer} | ({pub} if pub and not pub.done() else set())
+            done, _ = await asyncio.wait(watched, timeout=tick,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if get in done:
+                return get.result()
+            if self._producer.done():
+                get.cancel()
+                exc = self._producer.exception() if not self._producer.cancelled() else None
+                cause = getattr(exc, "cause", None) or exc  # a Ray error wraps the real one
+                raise RunFailed(f"the producer stopped while the trainer waited for a "
+                                f"collection: {type(cause).__name__}: {quote(str(cause))}"
+                                ) from exc
+            if done:
+                continue  # the publication finished; keep waiting for the collection
+            now, current = clock.now(), await self.fleet.progress_marker()
+            if current != marker:
+                marker, since = current, now
+            elif now - since > stall_s:
+                get.cancel()
+                raise RunFailed(
+                    f"stalled: no group reached the buffer and no optimizer step finished for "
+                    f"{now - since:.0f} s (run.stall_timeout_s = {stall_s:g}); what each stage "
+                    f"holds: {await self.fleet.diagnosis()}")
+            self.log({"watchdog/no_progress_seconds": now - since}, self.progress.step)
+
+    async def _evaluate_mid_run(self) -> None:
+        """A mid-run evaluation of the current policy, once its publication has landed.
+        With eval.drain (and always when nothing is generated ahead, as in sync runs) it is
+        a lifecycle drain: open no new group, let owned groups land (in reserved buffer
+        room), evaluate, resume. Without it, generation goes on beside the evaluation: no
+        publication can start before it ends, so the engines hold the evaluated weights."""
+        self.log(await self._finish_publication(), self.progress.step)
+        if not self.cfg.eval.drain and not generates_per_collection(self.cfg, self.plan):
+            await self._evaluate()
+            return
+        await self._reserve_for_owned()
+        try:
+            await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)
+            await self._evaluate()
+        finally:
+            await self.fleet.producer_resume_admission()
+            await self.fleet.buffer_reserve(0)
+
+    async def _bounded(self, coro, what: str):
+        """A step that must finish within run.stall_timeout_s (a wedged trainer surfaces as
+        an error naming what it was doing)."""
+        try:
+            return await asyncio.wait_for(coro, self.cfg.run.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise RunFailed(f"stalled: {what} did not finish within run.stall_timeout_s = "
+                            f"{self.cfg.run.stall_timeout_s:g} s") from None
+
+    async def _checkpoint(self) -> None:
+        """A checkpoint at this step (once): trainer state, ledger and the HF export."""
+        p = self.progress
+        if self._checkpoint_step != p.step:
+            self.checkpoint_dir = await self._bounded(
+                self.fleet.checkpoint(p.step, self.version), f"the checkpoint of step {p.step}")
+            self._checkpoint_step = p.step
+
+    async def _evaluate(self) -> float:
+        """Evaluate the engines' current policy; logs eval/* and extends the eval curve."""
+        p = self.progress
+        start = clock.now()
+        try:  # every wait has a deadline: an evaluation that cannot finish is a stall
+            result = await asyncio.wait_for(self.fleet.evaluate(), self.cfg.run.stall_timeout_s)
+        except asyncio.TimeoutError:
+            raise RunFailed(f"stalled: the evaluation at step {p.step} did not finish within "
+                            f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
+                            f"each stage holds: {await self.fleet.diagnosis()}") from None
+        seconds = clock.now() - start
+        wall = clock.now() - self._start
+        self.calibration.observe_eval(seconds)
+        p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
+        p.eval_first = p.eval_first or dict(result)
+        p.eval_last = dict(result)
+        self.log({**{f"eval/{k}": v for k, v in result.items()}, "eval/wall_seconds": wall,
+                  "eval/seconds": seconds}, p.step)
+        return result["reward"]
+
+    async def _reserve_for_owned(self) -> None:
+        """Stop opening groups, then reserve buffer room for every group the producer owns:
+        with admission closed that count can only fall, so every owned group fits."""
+        await self.fleet.producer_pause_admission()
+        await self.fleet.buffer_reserve(await self.fleet.producer_groups_owned())
+
+    async def _shutdown_drain(self) -> None:
+        """Graceful stop: no new groups; owned groups finish into reserved room or, past the
+        drain timeout, are aborted (and counted). Nothing owned is lost."""
+        await self._reserve_for_owned()
+        if not await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s):
+            await self.fleet.pause_engines("abort")
+            await self.fleet.producer_wait_idle(self.cfg.publication.drain_timeout_s)
+            await self.fleet.continue_engines()
+        await self.fleet.producer_stop()
+
+    async def summary(self) -> dict[str, Any]:
+        p = self.progress
+        wall = clock.now() - self._start
+        return {
+            "run": {"name": self.cfg.run.name, "seed": self.cfg.run.seed,
+                    "mode": "async" if self.cfg.fully_async else "sync",
+                    "max_weight_staleness": self.plan.max_weight_staleness},
+            "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
+            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval,
+                     **{k: v for k, v in p.eval_last.items() if k != "reward"},
+                     "initial": p.eval_first, "curve": p.eval_curve},
+            "ledger": await self.fleet.ledger(),
+            "faults": await self.fleet.faults(),
+            "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
+            "staleness": {"max_delivered": p.max_staleness,
+                          "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
+                          "max_weight_staleness": self.plan.max_weight_staleness},
+            "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
+                           "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
+            "calibration": self.calibration.to_dict(
+                wall, self.plan.engines, self.plan.max_running_requests,
+                self.cfg.rollout.max_response_len, self.plan.producer_samples),
+        }
+
+
+def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_s: float,
+                          updates: int) -> dict[str, float]:
+    """The controller loop's own time in one collection: everything but waiting for the
+    collection, training and the awaited part of publication (metrics gathering, logging,
+    bookkeeping), per optimizer update. Trainer wait high with this low: generation is the
+    bottleneck; this high: orchestration is."""
+    own = max(0.0, step_s - wait_s - train_s - publish_s)
+    return {"perf/orchestration_seconds_per_step": own / updates,
+            "perf/publication_wait_seconds_per_step": publish_s / updates,
+            "perf/orchestration_fraction": own / step_s if step_s > 0 else 0.0,
+            "perf/step_seconds": step_s / updates}
+

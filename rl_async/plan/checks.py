@@ -1,0 +1,176 @@
+"""Cross-section rules that a single section cannot check, and the one `validate` entry point.
+
+`validate(cfg)` is what `rl-async plan|validate|run` and the running controller call: it
+returns the capacity plan, its warnings and every error, each naming key paths and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
+from rl_async.plan.config import RunConfig
+
+
+@dataclass
+class Report:
+    plan: CapacityPlan
+    warnings: list[Warning_] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def to_json(self) -> dict:
+        return {"runtime": {"async_capacity": self.plan.to_dict()},
+                "warnings": [w.to_dict() for w in self.warnings],
+                "errors": list(self.errors)}
+
+
+def refresh_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """SPEC §9: mixed-policy refresh is only sound under these conditions."""
+    if cfg.refresh.mode != "mixed_policy":
+        return []
+    pre = "refresh.mode = 'mixed_policy' requires "
+    rules = [
+        (cfg.cluster.gpus_per_engine == 1,
+         f"TP1 engines: cluster.gpus_per_engine = {cfg.cluster.gpus_per_engine}"),
+        (plan.optimizer_steps_per_collection == 1,
+         f"one optimizer update per collection: train.global_batch_size = {plan.global_batch_size}"
+         f" gives {plan.optimizer_steps_per_collection} updates per collection of "
+         f"{plan.collection_samples} samples"),
+        (cfg.train.use_tis, "TIS: train.use_tis = false"),
+        (not cfg.train.use_rollout_logprobs, "train.use_rollout_logprobs = false (it is true)"),
+        (cfg.rollout.temperature == 1.0, f"rollout.temperature = 1 (it is {cfg.rollout.temperature})"),
+        (cfg.rollout.top_p == 1.0, f"rollout.top_p = 1 (it is {cfg.rollout.top_p})"),
+        (cfg.rollout.top_k == -1, f"rollout.top_k = -1 (it is {cfg.rollout.top_k})"),
+        (cfg.sglang.speculative_algorithm is None,
+         f"no speculative decoding: sglang.speculative_algorithm = {cfg.sglang.speculative_algorithm!r}"),
+        (cfg.sglang.disaggregation_mode == "null",
+         f"no prefill/decode disaggregation: sglang.disaggregation_mode = "
+         f"{cfg.sglang.disaggregation_mode!r}"),
+        (not cfg.fault_tolerance,
+         "no automatic engine fault tolerance (a restarted engine cannot rebuild retracted "
+         "prefixes): engine.fault_tolerance = true"),
+    ]
+    return [pre + msg for ok, msg in rules if not ok]
+
+
+def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    errors: list[str] = []
+    c = cfg.cluster
+    if cfg.engine.backend == "sglang":
+        if c.inference_gpus == 0:
+            errors.append("engine.backend = 'sglang' needs cluster.inference_gpus > 0; use "
+                          "engine.backend = 'embedded' on CPU")
+        if cfg.model.path is None:
+            errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
+                          "the SGLang server loads); model.hf_config is for the embedded engine")
+    s = cfg.sglang
+    if cfg.engine.backend != "sglang" and s.speculative_algorithm is not None:
+        errors.append(f"sglang.speculative_algorithm = {s.speculative_algorithm!r} needs "
+                      f"engine.backend = 'sglang' (the embedded engine has no speculative "
+                      f"decoding); remove it")
+    if s.disaggregation_mode != "null":
+        errors.append(f"sglang.disaggregation_mode = {s.disaggregation_mode!r}: prefill/decode "
+                      f"disaggregation needs prefill and decode servers paired through a PD "
+                      f"router, which rl-async does not launch; use 'null'")
+    if cfg.engine.backend == "embedded" and c.inference_gpus and c.gpus_per_engine != 1:
+        errors.append(f"cluster.gpus_per_engine = {c.gpus_per_engine}: the embedded engine runs "
+                      f"on one GPU (no tensor parallelism); use engine.backend = 'sglang'")
+    if bool(c.trainer_gpus) != bool(c.inference_gpus):
+        errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} and cluster.inference_gpus = "
+                      f"{c.inference_gpus}: weights are published over NCCL (both on GPU) or gloo "
+                      f"(both on CPU); put trainers and engines on the same kind of device")
+    if (cfg.engine.backend == "synthetic") != (cfg.train.backend == "synthetic"):
+        errors.append(f"engine.backend = {cfg.engine.backend!r} and train.backend = "
+                      f"{cfg.train.backend!r}: synthetic engines only receive a synthetic "
+                      f"trainer's publication; set both to 'synthetic' (or use --dry-run)")
+    if cfg.train.backend == "megatron" and c.trainer_gpus == 0:
+        errors.append("train.backend = 'megatron' needs cluster.trainer_gpus > 0")
+    if c.trainer_gpus and c.trainer_gpus != c.trainer_workers:
+        errors.append(f"cluster.trainer_gpus = {c.trainer_gpus} must equal cluster.trainer_workers "
+                      f"= {c.trainer_workers} (one trainer process per GPU)")
+    if cfg.train.backend == "torch" and plan.global_batch_size % c.trainer_workers:
+        errors.append(f"train.global_batch_size = {plan.global_batch_size} must be divisible by "
+                      f"cluster.trainer_workers = {c.trainer_workers}")
+    if cfg.fully_async and not cfg.train.use_tis:
+        errors.append("train.use_tis = false: TIS is always on in async runs (async.fully_async = "
+                      "true); it corrects policy lag and engine/trainer mismatch")
+    if cfg.task.name == "jsonl" and not cfg.task.path:
+        errors.append("task.name = 'jsonl' needs task.path (a JSONL file of prompts)")
+    if cfg.publication.verify_checksum and cfg.engine.backend == "sglang":
+        errors.append("publication.verify_checksum = true needs engine.backend = 'embedded': "
+                      "SGLang 0.5.23's HTTP API returns no checksum of the served weights; "
+                      "set publication.verify_checksum = false")
+    if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
+        errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
+                      f"{cfg.judge.max_replicas}")
+    return errors
+
+
+GPUS_PER_NODE = 8  # the usual GPU node; more GPUs than this means several nodes
+
+
+def storage_warnings(cfg: RunConfig) -> list[Warning_]:
+    """Checkpoints and exports are written by the ranks that hold the data, on their own
+    nodes: a multi-node run needs run.output_dir on storage every node shares."""
+    c, out = cfg.cluster, cfg.run.output_dir
+    multi_node = c.inference_gpus + c.trainer_gpus > GPUS_PER_NODE
+    if multi_node and (not out.startswith("/") or out.startswith("/tmp")):
+        return [Warning_("OUTPUT_DIR_NOT_SHARED", (
+            f"run.output_dir = {out!r} with {c.inference_gpus + c.trainer_gpus} GPUs (more "
+            f"than one node): checkpoints need an absolute path on shared storage every node "
+            f"mounts; a relative path under `ray job submit` lands in the job's temporary "
+            f"working dir and is lost"))]
+    return []
+
+
+def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """Model parallelism must tile the trainer workers, and every data-parallel rank must get
+    whole groups of each collection (the fleet shards a collection by group: `groups[dp::DP]`;
+    advantages are normalised within a group, so a group cannot be split across ranks)."""
+    t, workers = cfg.train, cfg.cluster.trainer_workers
+    model_parallel = t.tensor_parallel * t.pipeline_parallel
+    errors: list[str] = []
+    # synthetic trainers (dry runs) keep a megatron file's layout
+    if t.backend not in ("megatron", "synthetic") and model_parallel > 1:
+        return [f"train.tensor_parallel = {t.tensor_parallel}, train.pipeline_parallel = "
+                f"{t.pipeline_parallel}: model parallelism needs train.backend = 'megatron' "
+                f"(train.backend = {t.backend!r} is data parallel only)"]
+    if workers % model_parallel:
+        return [f"cluster.trainer_workers = {workers} must be a multiple of train.tensor_parallel"
+                f" x train.pipeline_parallel = {t.tensor_parallel} x {t.pipeline_parallel} = "
+                f"{model_parallel}"]
+    dp = workers // model_parallel
+    if plan.rollout_batch_size % dp:
+        errors.append(
+            f"rollout.rollout_batch_size = {plan.rollout_batch_size} groups must be a multiple of "
+            f"the {dp} data-parallel trainer ranks (cluster.trainer_workers = {workers} / "
+            f"(train.tensor_parallel x train.pipeline_parallel = {model_parallel})), so every "
+            f"rank trains on whole groups")
+    if t.backend == "megatron" and plan.global_batch_size % (dp * t.micro_batch_size):
+        errors.append(
+            f"train.global_batch_size = {plan.global_batch_size} must be a multiple of "
+            f"{dp} data-parallel ranks x train.micro_batch_size = {t.micro_batch_size}")
+    return errors
+
+
+def publication_errors(cfg: RunConfig) -> list[str]:
+    """The publication deadline must leave room for its own drain: up to drain_timeout_s for
+    in-flight requests, then as long again for the aborted ones, then the transfer."""
+    p = cfg.publication
+    if p.timeout_s <= 2 * p.drain_timeout_s:
+        return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
+                f"publication.drain_timeout_s = {2 * p.drain_timeout_s:g} (drain, abort and "
+                f"drain again, then transfer); raise publication.timeout_s or lower "
+                f"publication.drain_timeout_s"]
+    return []
+
+
+def validate(cfg: RunConfig) -> Report:
+    plan, warnings, errors = plan_capacity(cfg)
+    errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg))
+    return Report(plan=plan, warnings=warnings + storage_warnings(cfg), errors=errors)

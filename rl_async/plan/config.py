@@ -1,0 +1,347 @@
+"""Typed run-file config (SPEC §2): one pydantic model per section, unknown keys rejected.
+
+Every section forbids unknown keys, so a typo fails with its full key path
+(`async.max_weigth_staleness: unknown key`). Defaults live next to their owner. Values that
+depend on the profile or on whether the file is *structured* are left as `None` here and
+resolved once in `rl_async.plan.load` (the only place that knows where a value came from);
+everything downstream reads the resolved `RunConfig` and the capacity plan.
+
+Configs are plain pydantic models: picklable, so they travel to Ray actors as they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator, PrivateAttr
+
+PROFILES = ("local", "dev", "node", "three_node")
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    profile: Literal["local", "dev", "node", "three_node"] = "local"
+    name: str = "rl-async"
+    seed: int = 0
+    max_steps: PositiveInt = 20
+    # Where checkpoints, the summary and W&B files go.
+    output_dir: str = "runs"
+    # Optimizer updates between checkpoints; 0 = only at the end (every run, and every
+    # graceful stop, ends with one). Each holds the policy as a Hugging Face dir (`hf/`).
+    checkpoint_every: int = Field(0, ge=0)
+    # Complete checkpoints kept per run directory, newest first; 0 keeps all.
+    keep_checkpoints: int = Field(3, ge=0)
+    # Stop the run when nothing progresses (no group reaches the buffer, no optimizer step
+    # finishes) for this long; the error carries what every stage holds.
+    stall_timeout_s: PositiveFloat = 900.0
+    # Failure budget: stop when more than this share of the most recent
+    # failure_window_groups groups failed (a few always-failing prompts never stop a run).
+    max_failed_group_fraction: float = Field(0.5, gt=0, le=1)
+    failure_window_groups: PositiveInt = 100
+    # Bit-reproducible runs where the hardware allows (README "Reproducibility"): embedded
+    # engines decode batch-invariantly (one forward per request, so a request's tokens and
+    # log-probs never depend on what shares its step). Sampling seeds, canonical collection
+    # order and lag-0 = sync hold without it.
+    deterministic: bool = False
+    # Write every trained collection (tokens, log-probs, versions, rewards) to
+    # <run dir>/rollouts/ so `rl-async replay RUN_DIR` can re-train it; about
+    # (prompt + response) x 3 numbers per sample per step, gzipped.
+    record_rollouts: bool = False
+
+
+class ClusterSection(Section):
+    inference_gpus: int = Field(0, ge=0)
+    gpus_per_engine: PositiveInt = 1
+    cpu_engines: PositiveInt = 1
+    trainer_gpus: int = Field(0, ge=0)
+    trainer_workers: PositiveInt = 1
+    # CPU cores reserved for each engine / trainer worker actor (Ray resources).
+    engine_cpus: PositiveFloat = 1.0
+    trainer_cpus: PositiveFloat = 1.0
+
+
+class ModelSection(Section):
+    """The policy model. Exactly one of `hf_config` (a transformers config built with random
+    weights from `init_seed`, for tests and the CPU demo) or `path` (a local checkpoint)."""
+
+    hf_config: dict[str, Any] | None = None
+    path: str | None = None
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if self.path is not None and self.path.startswith("~"):
+            self.path = str(Path(self.path).expanduser())
+        if (self.hf_config is None) == (self.path is None):
+            raise ValueError(
+                "set exactly one of model.hf_config (random weights from a config) or "
+                "model.path (a local Hugging Face checkpoint directory)"
+            )
+        return self
+
+
+class EngineSection(Section):
+    # "synthetic": a load generator with realistic latencies, no model (see [synthetic]).
+    backend: Literal["embedded", "sglang", "synthetic"] | None = None  # profile default
+    # Embedded engine: token budget over running requests (prompt + generated tokens).
+    max_total_tokens: PositiveInt = 8192
+    torch_threads: PositiveInt = 1
+    # Restart dead or unresponsive engines. Default: on, except with
+    # refresh.mode = "mixed_policy" (a restarted engine cannot rebuild retracted prefixes).
+    fault_tolerance: bool | None = None
+    # Probe every engine this often; one that is dead, or does not answer (or makes no
+    # decode progress with requests running) within the timeout, leaves routing at once.
+    health_check_interval_s: PositiveFloat = 5.0
+    health_check_timeout_s: PositiveFloat = 30.0
+    # Engine restarts allowed per run; past them the run stops naming the engine and causes.
+    max_restarts: int = Field(3, ge=0)
+
+
+class SGLangSection(Section):
+    max_running_requests: PositiveInt = 8
+    # HTTP permits per engine; omitted -> 2 x max_running_requests in structured async files.
+    server_concurrency: PositiveInt | None = None
+    mem_fraction_static: float = Field(0.8, gt=0, le=1)
+    port_base: int = Field(30000, ge=1024, le=65000)
+    startup_timeout_s: PositiveFloat = 600.0
+    request_timeout_s: PositiveFloat = 600.0
+    speculative_algorithm: str | None = None
+    disaggregation_mode: Literal["null", "prefill", "decode"] = "null"
+    # Passed through to `sglang.launch_server` as --key value.
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+
+
+class RolloutSection(Section):
+    rollout_batch_size: PositiveInt = 4
+    n_samples_per_prompt: PositiveInt = 4
+    max_response_len: PositiveInt = 8
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    # Tokens that end a response. None: the built-in task's EOS, or the model's
+    # eos_token_id (from model.path's config) for JSONL tasks.
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _top_k(self) -> RolloutSection:
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"rollout.top_k = {self.top_k}: use -1 (off) or an integer >= 1")
+        return self
+
+
+class TrainSection(Section):
+    # "synthetic": spends [synthetic] train_seconds_per_sample per sample, no model.
+    backend: Literal["torch", "megatron", "synthetic"] = "torch"
+    # Samples per optimizer step; omitted -> one step per collection.
+    global_batch_size: PositiveInt | None = None
+    micro_batch_size: PositiveInt = 8
+    lr: PositiveFloat = 1e-3
+    # "cosine" decays lr to lr * min_lr_ratio over run.max_steps updates.
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: PositiveFloat = 1.0
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_high: float = Field(0.2, gt=0)
+    use_tis: bool = True
+    tis_clip: PositiveFloat = 2.0
+    tis_clip_low: float = Field(0.0, ge=0)
+    use_rollout_logprobs: bool = False
+    advantage: Literal["group_norm", "mean_only"] = "group_norm"
+    tensor_parallel: PositiveInt = 1
+    pipeline_parallel: PositiveInt = 1
+
+
+class AsyncSection(Section):
+    fully_async: bool | None = None  # profile default
+    async_max_concurrent_samples: int | None = None
+    async_data_buffer_capacity_factor: float = Field(1.0, ge=0)
+    rollout_submission_granularity: Literal["group", "sample"] = "sample"
+    max_weight_staleness: int | None = Field(None, ge=0)
+    buffer_order: Literal["fifo", "lifo"] = "fifo"
+    buffer_overflow: Literal["block", "evict"] = "block"
+    unused_samples_handler: Literal["retry", "drop"] = "retry"
+    # Attempts per prompt before it is marked failed (retry handler).
+    max_retries: int = Field(3, ge=0)
+
+
+class CoreSection(Section):
+    """Low-level native keys. Native defaults: synchronous, zero policy lag."""
+
+    fully_async: bool = False
+    max_policy_lag: int | None = Field(None, ge=0)
+    async_max_concurrent_samples: int | None = None
+    async_data_buffer_capacity_factor: float = Field(1.0, ge=0)
+    rollout_submission_granularity: Literal["group", "sample"] = "group"
+
+
+class MilesSection(Section):
+    max_weight_staleness: int | None = Field(None, ge=0)
+
+
+class RefreshSection(Section):
+    mode: Literal["off", "mixed_policy"] = "off"
+
+
+class PublicationSection(Section):
+    # refresh.mode = off: how long in-flight requests may finish under old weights.
+    drain_timeout_s: PositiveFloat = 30.0
+    # Bigger buckets mean fewer round trips; the snapshot is the whole model either way.
+    bucket_bytes: PositiveInt = 256 * 1024 * 1024
+    # Compare engine weight checksums to the trainer's after each publication (slow).
+    verify_checksum: bool = False
+    # Deadline for one whole publication (snapshot to resume), and the publication group's
+    # collective timeout: a hung broadcast fails the run with the stage and bucket named.
+    timeout_s: PositiveFloat = 300.0
+
+
+class TaskSection(Section):
+    # Built-in verifiable task, or "jsonl" for prompt files.
+    name: Literal["successor", "jsonl"] = "successor"
+    path: str | None = None
+    eval_path: str | None = None
+    num_eval_prompts: PositiveInt = 64
+    # Built-in task: digits 0..modulus-1 in the prompt.
+    modulus: int = Field(10, ge=2, le=100)
+    prompt_digits: int = Field(3, ge=1, le=6)
+
+
+class RewardSection(Section):
+    # `module:function`, sync or async, (sample) -> float. Default: the task's own verifier.
+    function: str | None = None
+    timeout_s: PositiveFloat = 30.0
+    max_retries: int = Field(2, ge=0)
+    concurrency: PositiveInt = 16
+
+
+class EvalSection(Section):
+    # Evaluate every N optimizer updates (0 = only at start and end).
+    every_steps: int = Field(0, ge=0)
+    # eval/reward: one greedy response per prompt (true), or one sampled at
+    # rollout.temperature / top_p / top_k (false).
+    greedy: bool = True
+    # k > 0 adds eval/pass@k (best of k sampled rewards per prompt, the share solved for 0/1
+    # rewards) and eval/mean@k (mean of the k), sampled at the rollout settings.
+    n_samples: int = Field(0, ge=0)
+    # Mid-run evaluations of an async run: false evaluates while generation goes on (no
+    # publication runs during an evaluation, so every eval response comes from the evaluated
+    # weights, and the trainer finds its next collection ready); true first stops opening
+    # groups and waits for the owned ones to land (an idle pipeline that must refill).
+    drain: bool = False
+
+
+class FilterSection(Section):
+    # Dynamic sampling: drop groups whose rewards are all equal (no learning signal under
+    # group-normalised advantages); counted as filtered, replaced by new prompts.
+    zero_variance: bool = False
+
+
+class JudgeSection(Section):
+    enabled: bool = False
+    # `module:Class` of the judge served by Ray Serve.
+    judge_class: str = "actors.judges:RuleJudge"
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: PositiveInt = 2
+    target_ongoing_requests: PositiveFloat = 2.0
+    max_ongoing_requests: PositiveInt = 8
+    timeout_s: PositiveFloat = 30.0
+    max_retries: int = Field(2, ge=0)
+    # Serve's defaults (upscale 30 s, downscale 600 s) suit web traffic; rollout bursts come
+    # and go within a training step, so judges react faster.
+    upscale_delay_s: float = Field(5.0, ge=0)
+    downscale_delay_s: float = Field(60.0, ge=0)
+    # Window of the ongoing-request average; keep it above Serve's 10 s metrics interval.
+    look_back_period_s: PositiveFloat = 15.0
+    num_cpus: float = Field(1.0, ge=0)   # Ray resources per replica
+    num_gpus: float = Field(0.0, ge=0)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # judge constructor arguments
+
+
+class SyntheticSection(Section):
+    """Synthetic engines and trainers: real load generators for dry runs and orchestration
+    benchmarks. Defaults: a 7-8B bf16 model on H100/H200 with SGLang; sources and the models
+    themselves in rl_async/engine/timing.py."""
+
+    # Multiplies every simulated latency: 1 = real time, 0.1 = ten times faster, 0 = instant.
+    time_scale: float = Field(1.0, ge=0)
+    prefill_tokens_per_s: PositiveFloat = 20_000.0
+    prefill_overhead_s: float = Field(0.005, ge=0)
+    decode_step_base_s: float = Field(0.008, ge=0)
+    decode_step_per_request_s: float = Field(0.00015, ge=0)
+    decode_step_per_kv_token_s: float = Field(2e-8, ge=0)
+    # Response lengths: lognormal(median, sigma), capped at rollout.max_response_len.
+    response_len_median: PositiveFloat = 512.0
+    response_len_sigma: float = Field(1.0, ge=0)
+    vocab_size: PositiveInt = 32_000
+    # Prompt tokens per request in `rl-async simulate` (prefill work); dry runs use the
+    # task's own prompts. A calibration file's measured mean replaces it.
+    prompt_tokens: PositiveInt = 256
+    # Publication: the trainer "publishes" this many bytes in publication.bucket_bytes buckets
+    # (default: Qwen2.5-7B in bf16), taking bytes / weight_sync_bytes_per_s per bucket.
+    publish_bytes: int = Field(15_230_000_000, ge=0)
+    weight_sync_bytes_per_s: PositiveFloat = 10e9
+    bucket_latency_s: float = Field(0.005, ge=0)
+    group_init_s: float = Field(1.0, ge=0)
+    # Trainer-group compute per sample of a collection (all ranks together).
+    train_seconds_per_sample: float = Field(0.05, ge=0)
+
+
+class WandbSection(Section):
+    mode: Literal["online", "offline", "disabled"] | None = None  # profile default
+    project: str = "rl-async"
+    entity: str | None = None
+
+
+class RunConfig(Section):
+    """The whole run file, after profile defaults and alias resolution (see config_load)."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    model: ModelSection
+    engine: EngineSection = Field(default_factory=EngineSection)
+    sglang: SGLangSection = Field(default_factory=SGLangSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    async_: AsyncSection = Field(default_factory=AsyncSection, alias="async")
+    core: CoreSection = Field(default_factory=CoreSection)
+    miles: MilesSection = Field(default_factory=MilesSection)
+    refresh: RefreshSection = Field(default_factory=RefreshSection)
+    publication: PublicationSection = Field(default_factory=PublicationSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    reward: RewardSection = Field(default_factory=RewardSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    filter: FilterSection = Field(default_factory=FilterSection)
+    judge: JudgeSection = Field(default_factory=JudgeSection)
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    synthetic: SyntheticSection = Field(default_factory=SyntheticSection)
+    # True when the file has an [async] table (SPEC §2); set by the loader, not a user key.
+    _structured: bool = PrivateAttr(True)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @property
+    def structured(self) -> bool:
+        return self._structured
+
+    @property
+    def fully_async(self) -> bool:
+        return bool(self.async_.fully_async)
+
+    @property
+    def fault_tolerance(self) -> bool:
+        """engine.fault_tolerance, resolved: on unless mixed-policy refresh is asked for."""
+        ft = self.engine.fault_tolerance
+        return self.refresh.mode != "mixed_policy" if ft is None else ft
+
+    @property
+    def max_weight_staleness(self) -> int:
+        return int(self.async_.max_weight_staleness or 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (for W&B's run config and the summary)."""
+        return self.model_dump(mode="json", by_alias=True)

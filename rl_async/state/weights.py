@@ -1,0 +1,134 @@
+"""Bucketed, flattened weight transfer: the codec both ends of a publication share (SPEC §9).
+
+A publication sends the trainer's named tensors as a few large flat byte buffers instead of
+one collective per tensor. The sender groups tensors into buckets of at most
+`max_bucket_bytes` (`bucket_named_tensors`), packs each bucket into ONE contiguous uint8
+tensor (`flatten_bucket`) and broadcasts it; the metadata (names, dtype strings, shapes, in
+order) travels separately, and the receiver rebuilds the tensors with `unflatten_bucket`.
+
+Layout: tensors are packed back to back in the given order, each as its raw bytes, no padding.
+`weights_checksum` lets a test or the controller check that an engine holds exactly the
+trainer's weights (LESSONS: trl#5312, slime#1673).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+import torch
+
+from rl_async.state.models import resolve_dtype
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the string form carried in the metadata)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def bucket_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                         max_bucket_bytes: int) -> list[NamedTensors]:
+    """Split tensors into buckets of at most `max_bucket_bytes`, keeping the input order.
+
+    A tensor larger than the limit gets a bucket of its own (it cannot be split: the receiver
+    loads whole parameters). Empty input gives no buckets.
+    """
+    if max_bucket_bytes <= 0:
+        raise ValueError(f"max_bucket_bytes = {max_bucket_bytes!r}: must be > 0")
+    buckets: list[NamedTensors] = []
+    current: NamedTensors = []
+    current_bytes = 0
+    for name, tensor in named_tensors:
+        size = tensor_nbytes(tensor)
+        if current and current_bytes + size > max_bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append((name, tensor))
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def flatten_bucket(bucket: NamedTensors, out: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, list[str], list[str], list[list[int]]]:
+    """One bucket -> (flat uint8 tensor on the tensors' device, names, dtype strings, shapes).
+
+    `out`: a uint8 buffer of exactly the bucket's size to write into (publishers reuse one
+    per bucket, so a publication costs one copy of the weights and no allocation)."""
+    if not bucket:
+        raise ValueError("flatten_bucket: the bucket is empty; bucket_named_tensors never "
+                         "produces empty buckets, so the caller built it by hand")
+    names = [name for name, _ in bucket]
+    dtypes = [dtype_name(t.dtype) for _, t in bucket]
+    shapes = [list(t.shape) for _, t in bucket]
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    if out is None:
+        return torch.cat(parts), names, dtypes, shapes
+    total = sum(p.numel() for p in parts)
+    if out.dtype != torch.uint8 or out.numel() != total:
+        raise ValueError(f"flatten_bucket(out=...): need a uint8 buffer of {total} bytes, got "
+                         f"{out.numel()} x {out.dtype}")
+    torch.cat(parts, out=out)
+    return out, names, dtypes, shapes
+
+
+def bucket_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
+    """Byte size of the flat buffer described by the metadata (what a receiver allocates)."""
+    total = 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        total += numel * torch.empty((), dtype=resolve_dtype(dtype)).element_size()
+    return total
+
+
+def unflatten_bucket(flat: torch.Tensor, names: list[str], dtypes: list[str],
+                     shapes: list[list[int]]) -> NamedTensors:
+    """Inverse of `flatten_bucket`. Errors name the mismatch between buffer and metadata.
+
+    Aligned tensors are views into `flat`: load them before `flat` is reused."""
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"bucket metadata lengths differ: {len(names)} names, {len(dtypes)} "
+                         f"dtypes, {len(shapes)} shapes; they must describe the same tensors")
+    expected = bucket_nbytes(dtypes, shapes)
+    if flat.dtype != torch.uint8 or flat.numel() != expected:
+        raise ValueError(f"flat bucket is {flat.numel()} x {flat.dtype}, metadata describes "
+                         f"{expected} bytes of uint8; sender and receiver disagree on metadata")
+    out: NamedTensors = []
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        torch_dtype = resolve_dtype(dtype)
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * torch.empty((), dtype=torch_dtype).element_size()
+        chunk = flat[offset:offset + nbytes]
+        # A view when the offset is aligned to the dtype (always, for single-dtype buckets);
+        # a copy otherwise, since a misaligned view cannot be reinterpreted as a wider dtype.
+        itemsize = torch.empty((), dtype=torch_dtype).element_size()
+        if offset % itemsize or chunk.data_ptr() % itemsize:
+            chunk = chunk.clone()
+        out.append((name, chunk.view(torch_dtype).reshape([int(d) for d in shape])))
+        offset += nbytes
+    return out
+
+
+def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor, sorted by name.
+
+    Equal checksums mean bit-identical weights under the same names, whatever the order.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(named_tensors, key=lambda item: item[0]):
+        t = tensor.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
