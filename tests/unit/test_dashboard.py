@@ -20,5 +20,5 @@ def test_dashboard_plots_exactly_the_exported_gauges():
     assert plotted == exported_names()
     assert {"ray_rl_async_faults_engine_restarts", "ray_rl_async_trainer_wait_seconds",
             "ray_rl_async_discard_fraction", "ray_rl_async_publication_seconds"} <= plotted
-    readme = (ROOT / "README.md").read_text()
-    assert all(name in readme for name in plotted)  # the README names what Prometheus shows
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    assert all(name in ops for name in plotted)  # the docs name what Prometheus shows
