@@ -14,10 +14,13 @@
              other engine can generate (all were lost), it gets the last published weights
              at once (RayFleet.catch_up): the next publication would need a collection.
 
-An engine that dies during a weight transfer (or while the group forms) is `lost` the same
-way; the transfer is redone without it over a new group (actors/fleet_publication.py),
-within the same publication deadline. A replacement is a new incarnation of its slot: the
-group that named its predecessor is never reused for it.
+Each restart runs in a task of its own (spawn_restart): a lost node's engines come back
+concurrently, and the probe loop goes on probing the others while they start.
+
+An engine that fails during a publication (its actor, or the SGLang server behind it, in a
+pause, a transfer or a continue) is `lost` the same way; the others' transfers are not
+affected: each engine has its own publication channel (actors/fleet_publication.py). A
+replacement is a new incarnation of its slot and gets a channel of its own.
 
 A restart that cannot complete (the replacement does not start, its catch-up fails) stops
 the run naming the engine and both causes: an error in this task must not vanish.
@@ -45,6 +48,7 @@ class EngineSupervisor:
         self.fatal: RunStopped | None = None
         self._task: asyncio.Task | None = None
         self._restarting: set[int] = set()  # the probe and a failed call may both see it
+        self._tasks: set[asyncio.Task] = set()  # restarts in flight, one task per engine
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._loop())
@@ -52,6 +56,15 @@ class EngineSupervisor:
     def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+    def spawn_restart(self, i: int, cause: str) -> None:
+        """Replace engine i in a task of its own: restarts of several engines (a lost node)
+        run concurrently, and the probe loop keeps probing the others meanwhile."""
+        task = asyncio.ensure_future(self.restart(i, cause))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _loop(self) -> None:
         while self.fatal is None:
@@ -61,7 +74,7 @@ class EngineSupervisor:
             causes = await asyncio.gather(*(self._probe(i) for i in watched))
             for i, cause in zip(watched, causes):
                 if cause is not None and self.fatal is None:
-                    await self.restart(i, cause)
+                    self.spawn_restart(i, cause)
 
     async def _probe(self, i: int) -> str | None:
         """None when engine i is healthy, else why not."""

@@ -38,18 +38,26 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang
+    server_args = {"dtype": cfg.model.dtype}
+    if cfg.run.deterministic:
+        # SGLang's batch-invariant kernels (its per-request sampling_seed then gives
+        # bit-exact tokens across runs), at a throughput cost.
+        server_args["enable_deterministic_inference"] = True
+    if cfg.refresh.mode == "mixed_policy":
+        # Retracted requests are re-prefilled under the new weights; a radix cache would
+        # hand them prefixes cached under the old ones (miles #2783, NeMo-RL #3152), and
+        # flushing it needs an idle engine, which a retract pause is not (sglang #33784).
+        server_args["disable_radix_cache"] = True
+    if cfg.cluster.inference_gpus == 0:
+        server_args["device"] = "cpu"
     return SGLangEngine(SGLangEngineConfig(
         model_path=cfg.model.path, gpus_per_engine=cfg.cluster.gpus_per_engine,
         # engine i listens on sglang.port_base + i (unique per node whatever the placement)
-        host=ray.util.get_node_ip_address(), port=s.port_base + index,
+        host=ray.util.get_node_ip_address(), port=s.port_base + index if s.port_base else 0,
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         speculative_algorithm=s.speculative_algorithm,
-        disaggregation_mode=s.disaggregation_mode,
-        # run.deterministic: SGLang's batch-invariant kernels (and its per-request
-        # sampling_seed then gives bit-exact tokens across runs), at a throughput cost.
-        server_args={"dtype": cfg.model.dtype,
-                     **({"enable_deterministic_inference": True} if cfg.run.deterministic
-                        else {}), **s.extra_args},
+        disaggregation_mode=s.disaggregation_mode, ignore_eos=s.ignore_eos,
+        launch_module=s.launch_module, server_args={**server_args, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 
 
@@ -97,12 +105,23 @@ class EngineActor:
         await self.engine.init_weights_update_group(master_address, master_port, rank_offset,
                                                     world_size, group_name, backend, timeout_s)
 
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self.engine.destroy_weights_update_group(group_name)
+
+    async def weight_update_groups(self) -> list[str]:
+        """The publication channels this engine has joined (tests: none leak)."""
+        return self.engine.weight_update_groups()
+
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str,
-                                              weight_version: int | None = None) -> None:
+                                              weight_version: int | None = None,
+                                              flush_cache: bool | None = None) -> None:
+        """One bucket over channel `group_name`. `flush_cache` on the last bucket: False
+        when requests were retracted (mixed_policy): SGLang asserts an idle engine."""
         if self._die_in_transfer:  # chaos tests: the sender is already broadcasting
             os.kill(os.getpid(), signal.SIGKILL)
         await self.engine.update_weights_from_distributed(names, dtypes, shapes, group_name,
-                                                          weight_version)
+                                                          weight_version,
+                                                          flush_cache=flush_cache)
 
     async def update_weights_from_tensor(self, named_tensors, weight_version=None) -> None:
         await self.engine.update_weights_from_tensor(named_tensors, weight_version)
@@ -126,7 +145,8 @@ class EngineActor:
         if hasattr(self.engine, "health"):  # SGLang: the server process answers too
             await self.engine.health()
         stalled = getattr(self.engine, "seconds_without_progress", lambda: 0.0)()
-        return {"index": self.index, "pid": os.getpid(), "seconds_without_progress": stalled}
+        return {"index": self.index, "pid": os.getpid(), "seconds_without_progress": stalled,
+                "server_pid": getattr(self.engine, "server_pid", None)}
 
     def debug_die_in_transfer(self) -> None:
         """Chaos tests: SIGKILL this engine's process at the start of its next weight receive,

@@ -22,9 +22,10 @@ from actors.fleet_publication import FleetPublication
 from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
-from actors.trainer import PUBLICATION_GROUP, TrainerWorker
+from actors.trainer import TrainerWorker
 from rl_async.state import checkpoints as ckpts
 from rl_async.state import rollouts
+from rl_async.state.collective import OWN_PROCESS_NCCL_ENV
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.loop.monitor import LoopMonitor, aggregate
@@ -46,6 +47,13 @@ def _placement(bundles: list[dict], what: str, key: str):
             f"available after {PLACEMENT_TIMEOUT_S}s (cluster resources: "
             f"{ray.cluster_resources()}); lower {key} or add nodes")
     return pg
+
+
+def nccl_env(gpu: bool) -> dict:
+    """Actor options for processes that join publication channels over NCCL: the same
+    NCCL settings on both ends (rl_async/state/collective.py says why); SGLang servers get
+    them through their launch environment."""
+    return {"runtime_env": {"env_vars": dict(OWN_PROCESS_NCCL_ENV)}} if gpu else {}
 
 
 @dataclass(frozen=True)
@@ -79,13 +87,16 @@ class RayFleet(FleetPublication):
         self._producer_ref = None
         self.monitor = LoopMonitor()  # the controller actor's own event loop
         # Fault tolerance (actors/engine_supervisor.py): engines out of routing, replacements
-        # waiting for weights, and the publication group's current members.
+        # waiting for weights, and each engine's publication channel.
         self.down: set[int] = set()
         self.pending_up: set[int] = set()
         self.members_lock = asyncio.Lock()
         self.fault_log: list[dict] = []
-        self._group = (PUBLICATION_GROUP, None)  # (name, [(engine, incarnation)]); none yet
-        self._group_generation = 0
+        # engine -> (publication channel name, the incarnation it was formed with)
+        self.channels: dict[int, tuple[str, int]] = {}
+        self._channel_generation = 0
+        self._metas: list[tuple] = []            # the staged snapshot's buckets
+        self._published_metas: list[tuple] = []  # the last published one's (catch_up)
         self.incarnations: dict[int, int] = {}  # engine index -> replacements so far
         self.supervisor: EngineSupervisor | None = None
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
@@ -106,7 +117,7 @@ class RayFleet(FleetPublication):
         c, gpu = self.cfg.cluster, self.cfg.cluster.inference_gpus > 0
         return self._named(EngineActor, f"engine-{i}", self.cfg, i, self.version_hint,
                            pg=self.pgs[0], bundle=i, num_cpus=c.engine_cpus,
-                           num_gpus=c.gpus_per_engine if gpu else 0)
+                           num_gpus=c.gpus_per_engine if gpu else 0, **nccl_env(gpu))
 
     def _named(self, cls, name: str, *args, pg=None, bundle=0, **options):
         if pg is not None:
@@ -147,7 +158,7 @@ class RayFleet(FleetPublication):
             version = r.version
         self.eval_prompts = await self.source.get_eval_prompts.remote()
         # Engines start from exactly the trainer's (restored) weights; under the publication
-        # deadline. The send forms the publication group first (no members yet).
+        # deadline. The send forms each engine's publication channel first.
         await Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                         cfg.publication.timeout_s).transfer(version, self)
         await self.buffer.set_version.remote(version)
@@ -173,7 +184,7 @@ class RayFleet(FleetPublication):
                                      # run while the next collection trains. GPU: one, so
                                      # NCCL collectives of two communicators never run
                                      # concurrently on one device (publication_overlaps_training)
-                                     max_concurrency=1 if tgpu else 2)
+                                     max_concurrency=1 if tgpu else 2, **nccl_env(tgpu))
                          for r in range(c.trainer_workers)]
 
     async def setup_trainers(self) -> None:

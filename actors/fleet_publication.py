@@ -1,17 +1,27 @@
-"""The weight-publication side of RayFleet (PublicationOps): the publication group and its
-members, pause / transfer / resume over the engines that are up, checksum verification.
+"""The weight-publication side of RayFleet (PublicationOps): one channel per engine, pause /
+transfer / resume over the engines that are up, checksum verification.
 
-Members change under fault tolerance (actors/engine_supervisor.py): an engine that is down
-is left out, a replacement joins when the group is re-formed under a new name (a formed
-torch.distributed group cannot take a new member), and it rejoins routing once it holds
-the published version. Members are engine *incarnations*, not slots: a replacement at the
-same index never joined the old group, so that group is stale too.
+A channel is a process group of trainer rank 0 and ONE engine incarnation's TP ranks (gloo
+on CPU, NCCL on GPU), named `<run>/pub/engine-<i>/n<incarnation>/g<generation>`; the name
+travels in every call on both sides. Why not one group for the fleet: a collective couples
+the fates of all its members. An engine that died inside a broadcast left the survivors
+waiting for bytes that would never come (gloo relays through them; NCCL's watchdog kills the
+sender), so every death cost a redo of the whole transfer after a timeout. With a channel
+each, a death breaks only its own channel: the others' buckets keep flowing, and the dead
+engine is `lost` (out of routing, restarted by the supervisor, caught up later).
 
-An engine that dies while the group forms or during a broadcast breaks the collective for
-everyone. Gloo cannot abort a pending receive, so every member's group carries the deadline
-publication.timeout_s / 3: the trainer's send errors at once (the socket resets), a survivor
-whose bytes never came errors at that deadline, and the transfer is redone, without the dead
-engine, over a new group.
+    form channels   for live engines without one: trainer hosts the store (an ephemeral
+                    port bound once), the engine joins; a failure loses that engine
+    transfer        trainer: every bucket to every channel, each bucket with
+                    publication.channel_timeout_s per channel; engines: their buckets in
+                    order, the last one carries the version. Any engine-side failure (a
+                    dead actor, a dead SGLang server behind a live actor, a receive past
+                    its deadline) loses that engine; a trainer-side failure is fatal
+    commit          the sent snapshot becomes the published one (catch_up sends it)
+
+A channel is superseded only when its engine incarnation ends (lost, replaced): the trainer
+destroys its end then (an NCCL communicator holds GPU memory on trainer rank 0), and the
+engine's end goes with the engine's process.
 """
 
 from __future__ import annotations
@@ -20,46 +30,65 @@ import asyncio
 
 from ray.exceptions import RayActorError
 
-from actors.trainer import PUBLICATION_GROUP
+from rl_async.loop.faults import quote
 from rl_async.loop.publish import BucketProgress
 
-SEND_ATTEMPTS = 3  # a transfer is redone without engines that died during it
+# After trainer rank 0 reports a channel broken, how long to wait for the engine's own
+# error (a dead actor's call fails at once; a dead server's receive may never return).
+ENGINE_ERROR_GRACE_S = 2.0
 
 
 class FleetPublication:
-    def _incarnations(self, engines: list[int]) -> list[tuple[int, int]]:
-        return [(i, self.incarnations.get(i, 0)) for i in engines]
+    def _channel_name(self, i: int) -> str:
+        self._channel_generation += 1
+        return (f"{self.prefix}/pub/engine-{i}/n{self.incarnations.get(i, 0)}"
+                f"/g{self._channel_generation}")
 
-    async def _init_publication_group(self, members: list[int]) -> dict[int, str]:
-        """(Re-)form the weight-publication group: trainer rank 0 and the engines in
-        `members`. A restarted engine cannot join a formed group, so a change of members
-        forms a new group under a new name (RayFleet.send). Returns {engine: cause} for
-        engines that died meanwhile (the group is then not formed), else {}."""
-        self._group_generation += 1
-        name = f"{PUBLICATION_GROUP}-{self._group_generation}"
-        addr, port = await self.trainers[0].address.remote()
-        # Every tensor-parallel rank of an engine joins: engine i holds group ranks
-        # 1 + i*tp ... (i+1)*tp; the trainer's rank 0 is the source.
-        tp = self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
-        world = 1 + len(members) * tp
+    def _tp(self) -> int:
+        return self.cfg.cluster.gpus_per_engine if self.cfg.cluster.inference_gpus else 1
+
+    async def _form_channels(self, engines: list[int]) -> dict[int, str]:
+        """A channel for each engine in `engines` that has none for its incarnation (a
+        replacement, or the start). Returns {engine: cause} for engines that failed to
+        join; a failure on trainer rank 0's side alone is fatal (raised)."""
+        todo = [i for i in engines
+                if self.channels.get(i, (None, None))[1] != self.incarnations.get(i, 0)]
+        if not todo:
+            return {}
+        await self._close_channels(todo)  # a predecessor's, if any
+        timeout_s = self.cfg.publication.channel_timeout_s
         backend = "nccl" if self.cfg.cluster.trainer_gpus else "gloo"
-        # The group's own timeout: a broadcast stuck on a peer that hangs or died errors
-        # (gloo) or is aborted by NCCL's watchdog after a third of the publication deadline,
-        # not after 30 min, which leaves the deadline room to redo the transfer without
-        # that engine (SEND_ATTEMPTS). Engines get it too: it bounds their receives.
-        timeout_s = self.cfg.publication.timeout_s / 3
-        trainer, *engines = await asyncio.gather(
-            self.trainers[0].init_publication_group.remote(addr, port, world, backend,
-                                                           timeout_s, name),
-            *(self.engines[m].init_weights_update_group.remote(addr, port, 1 + k * tp, world,
-                                                               name, backend, timeout_s)
-              for k, m in enumerate(members)), return_exceptions=True)
-        dead = _deaths(members, engines, "while joining the weight-publication group")
-        if dead:  # the others' rendezvous failed for want of it: their errors say nothing
-            return dead
-        _raise_first((trainer, *engines))
-        self._group = (name, self._incarnations(members))
-        return {}
+        world = 1 + self._tp()
+        names = {i: self._channel_name(i) for i in todo}
+        trainer = self.trainers[0]
+        hosts = await asyncio.gather(*(trainer.open_channel.remote(names[i], timeout_s)
+                                       for i in todo))
+        joins = await asyncio.gather(
+            *(trainer.join_channel.remote(names[i], world) for i in todo),
+            *(self.engines[i].init_weights_update_group.remote(
+                addr, port, 1, world, names[i], backend, timeout_s)
+              for i, (addr, port) in zip(todo, hosts)), return_exceptions=True)
+        failed = {}
+        for k, i in enumerate(todo):
+            trainer_side, engine_side = joins[k], joins[len(todo) + k]
+            if isinstance(engine_side, BaseException):  # it never joined: the trainer's
+                failed[i] = f"joining its publication channel: {_cause(engine_side)}"
+            elif isinstance(trainer_side, BaseException):  # side waited for it in vain
+                raise RuntimeError(f"trainer rank 0 could not join the publication channel "
+                                   f"of engine-{i}, which joined: {_cause(trainer_side)}")
+            else:
+                self.channels[i] = (names[i], self.incarnations.get(i, 0))
+        if failed:
+            await trainer.close_channels.remote([names[i] for i in failed])
+        return failed
+
+    async def _close_channels(self, engines: list[int]) -> None:
+        """Destroy the trainer's end of the channels of `engines` (an NCCL communicator on
+        trainer rank 0's GPU is what would leak). A channel is superseded only when its
+        engine incarnation ends, so the engine's end goes with the engine's process."""
+        closing = [self.channels.pop(i)[0] for i in engines if i in self.channels]
+        if closing:
+            await self.trainers[0].close_channels.remote(closing)
 
     async def stop_submissions(self) -> None:
         await self.bounded(self.producer.pause_generation.remote(), "producer.pause_generation")
@@ -74,112 +103,137 @@ class FleetPublication:
     async def lost(self, i: int, cause: str) -> None:
         """Engine i failed a fleet call: without fault tolerance the run stops; with it,
         the engine leaves routing and the supervisor replaces it (in its own task: the
-        caller may hold members_lock)."""
+        caller may hold members_lock). Its channel is destroyed on the trainer."""
         if self.supervisor is None:
-            raise RuntimeError(f"engine actor {self.prefix}/engine-{i} died: {cause} "
+            raise RuntimeError(f"engine {self.prefix}/engine-{i} failed: {cause} "
                                f"(engine.fault_tolerance is off)")
+        await self._close_channels([i])
         if i not in self.down:
             self.down.add(i)
-            asyncio.ensure_future(self.supervisor.restart(i, cause))
+            self.supervisor.spawn_restart(i, cause)
 
-    async def _on_live_engines(self, call) -> None:
-        """`call(engine)` on every live engine; one that turns out dead is `lost`."""
+    async def _on_live_engines(self, call, what: str) -> None:
+        """`call(engine)` on every live engine; any failure loses that engine (a dead actor,
+        or a dead SGLang server behind a live one: both are engine-side)."""
         live = self.live_engines()
         results = await asyncio.gather(*(call(self.engines[i]) for i in live),
                                        return_exceptions=True)
         for i, r in zip(live, results):
-            if isinstance(r, RayActorError):
-                await self.lost(i, f"the actor died: {r}")
-            elif isinstance(r, BaseException):
-                raise r
+            if isinstance(r, BaseException):
+                await self.lost(i, f"{what} failed: {_cause(r)}")
 
     async def pause_engines(self, mode: str) -> None:
-        await self._on_live_engines(lambda e: e.pause_generation.remote(mode))
+        await self._on_live_engines(lambda e: e.pause_generation.remote(mode), "pause")
 
     async def continue_engines(self) -> None:
-        await self._on_live_engines(lambda e: e.continue_generation.remote())
+        await self._on_live_engines(lambda e: e.continue_generation.remote(), "continue")
 
     async def resume_submissions(self) -> None:
         await self.bounded(self.producer.resume_generation.remote(),
                            "producer.resume_generation")
 
     async def snapshot(self) -> None:
-        """Trainer rank 0 copies the weights into its publication buckets."""
+        """Trainer rank 0 stages a snapshot of the weights (megatron: every rank gathers)."""
         flat = self.cfg.engine.backend == "embedded"
         bucket_bytes = self.cfg.publication.bucket_bytes
         ranks = self._collective_ranks()
-        self.snapshot_pending = True  # the buckets now hold a version not yet sent
+        self.snapshot_pending = True  # staged, not yet sent
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
 
     async def send(self, version: int, progress: BucketProgress | None = None) -> int:
-        """Broadcast the snapshot bucket by bucket; the last bucket carries the version.
-        Engines that are down are left out; replacements join (a new group) and rejoin
-        routing once they hold this version. An engine that dies during the transfer is
-        left out and the transfer is redone over a new group (the snapshot is unchanged)."""
+        """Send the staged snapshot to every live engine; the last bucket carries the
+        version. Replacements get a channel first and rejoin routing once they hold it."""
         async with self.members_lock:
-            sent = await self._send_locked(version, progress)
+            sent = await self._send_locked(version, progress, "staged")
+            await self.trainers[0].commit_publication.remote()
             self.snapshot_pending = False
+            self._published_metas = self._metas
         return sent
 
     async def catch_up(self) -> None:
         """Bring replacements in now when no engine can generate (every live engine is a
         replacement waiting for weights): the next publication needs a collection, the
-        collection needs an engine. They get the last published snapshot, at its version."""
+        collection needs an engine. They get the last PUBLISHED snapshot at its version,
+        which the next stage() cannot overwrite (rl_async/state/sender.py)."""
         async with self.members_lock:
             serving = [i for i in self.live_engines() if i not in self.pending_up]
-            if self.pending_up and not serving and not self.snapshot_pending:
-                await self._send_locked(self.version_hint, None)
+            if self.pending_up and not serving and self._published_metas:
+                await self._send_locked(self.version_hint, None, "published")
 
-    async def _send_locked(self, version: int, progress: BucketProgress | None) -> int:
+    async def _send_locked(self, version: int, progress: BucketProgress | None,
+                           which: str) -> int:
+        metas = self._metas if which == "staged" else self._published_metas
         self.version_hint = version
-        for _attempt in range(SEND_ATTEMPTS):
-            live, dead = self.live_engines(), {}
-            if self._incarnations(live) != self._group[1]:
-                dead = await self._init_publication_group(live)
-            if not dead:
-                sent, dead = await self._broadcast(version, live, progress)
-            if not dead:
-                break
-            for i, cause in dead.items():
-                await self.lost(i, cause)
-        else:
-            raise RuntimeError(f"weight transfer of version {version}: engines kept dying "
-                               f"during {SEND_ATTEMPTS} attempts; last: {dead}")
+        live = self.live_engines()
+        for i, cause in (await self._form_channels(live)).items():
+            await self.lost(i, cause)
+        live = [i for i in live if i in self.channels]
+        sent, failed = await self._transfer(live, version, metas, progress, which)
+        for i, cause in failed.items():
+            await self.lost(i, cause)
+        holding = [i for i in live if i not in failed]
         if self.cfg.publication.verify_checksum:
-            await self.verify_weights(live)
-        for i in sorted(self.pending_up & set(live)):
+            await self.verify_weights(holding, which)
+        for i in sorted(self.pending_up & set(holding)):
             await self.producer.engine_up.remote(i, self.engines[i])
             self.pending_up.discard(i)
         return sent
 
-    async def _broadcast(self, version: int, live: list[int],
-                         progress: BucketProgress | None) -> tuple[int, dict[int, str]]:
-        """One pass over the buckets; returns (bytes sent, {dead engine: cause})."""
-        name, sent = self._group[0], 0
-        for i, (names, dtypes, shapes, nbytes) in enumerate(self._metas):
-            if progress is not None:
-                progress(i, len(self._metas))
-            last = i == len(self._metas) - 1
-            trainer, *engines = await asyncio.gather(
-                self.trainers[0].broadcast_bucket.remote(i),
-                *(self.engines[m].update_weights_from_distributed.remote(
-                    names, dtypes, shapes, name, version if last else None) for m in live),
-                return_exceptions=True)
-            dead = _deaths(live, engines, "during the weight transfer")
-            if dead:  # the collective is broken for everyone: redo it without them
-                return sent, dead
-            _raise_first((trainer, *engines))
-            sent += nbytes
-        return sent, {}
+    async def _transfer(self, live: list[int], version: int, metas: list[tuple],
+                        progress: BucketProgress | None, which: str
+                        ) -> tuple[int, dict[int, str]]:
+        """One pass over the buckets on every live engine's channel. Returns (bytes per
+        engine, {engine: cause}) for the engines that did not get the whole snapshot."""
+        if not live:
+            return 0, {}
+        timeout_s = self.cfg.publication.channel_timeout_s
+        names = {i: self.channels[i][0] for i in live}
+        flush = self.cfg.refresh.mode == "off"  # never flush while requests are retracted
+        reached = [0]
+
+        async def receive(i: int) -> None:
+            for b, (bnames, dtypes, shapes, _n) in enumerate(metas):
+                if progress is not None and b >= reached[0]:
+                    reached[0] = b + 1
+                    progress(b, len(metas))
+                last = b == len(metas) - 1
+                await asyncio.wait_for(self.engines[i].update_weights_from_distributed.remote(
+                    bnames, dtypes, shapes, names[i], version if last else None,
+                    flush if last else False), timeout_s)
+
+        receivers = {i: asyncio.ensure_future(receive(i)) for i in live}
+        try:
+            sent, trainer_failed = await self.trainers[0].send_publication.remote(
+                list(names.values()), which, timeout_s)
+        except BaseException:
+            for task in receivers.values():
+                task.cancel()
+            raise  # trainer-side: fatal, the publication fails with it
+        broken = [i for i, n in names.items() if n in trainer_failed]
+        if broken:  # the engine's own error says more (a dead actor answers at once), but a
+            # receive on a dead server may wait forever: a moment for it, then stop waiting
+            await asyncio.wait([receivers[i] for i in broken], timeout=ENGINE_ERROR_GRACE_S)
+        failed = {}
+        for i, task in receivers.items():
+            if not task.done():
+                task.cancel()
+            error = task.exception() if task.done() and not task.cancelled() else None
+            if i in broken:
+                failed[i] = (f"{_cause(error)}; " if error else "") + (
+                    f"the weight transfer to it failed on trainer rank 0: "
+                    f"{trainer_failed[names[i]]}")
+            elif error is not None:
+                failed[i] = f"receiving the weights failed: {_cause(error)}"
+        return sent, failed
 
     async def transfer(self, version: int) -> int:
         """snapshot + send (start-up, and tests that publish by hand)."""
         await self.snapshot()
         return await self.send(version)
 
-    async def verify_weights(self, members: list[int]) -> None:
-        want = await self.trainers[0].snapshot_checksum.remote()
+    async def verify_weights(self, members: list[int], which: str = "staged") -> None:
+        want = await self.trainers[0].snapshot_checksum.remote(which)
         got = await asyncio.gather(*(self.engines[i].weights_checksum.remote() for i in members))
         bad = [i for i, g in zip(members, got) if g != want]
         if bad:
@@ -187,14 +241,9 @@ class FleetPublication:
                                f"publication (checksum mismatch)")
 
 
-def _deaths(engines: list[int], results: list, when: str) -> dict[int, str]:
-    """{engine: cause} for the calls that failed because the engine's actor died. The
-    others' errors (a reset socket, a receive past the group deadline) are the consequence."""
-    return {i: f"the actor died {when}: {r}" for i, r in zip(engines, results)
-            if isinstance(r, RayActorError)}
-
-
-def _raise_first(results) -> None:
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "no answer within publication.channel_timeout_s"
+    if isinstance(exc, RayActorError):
+        return f"the actor died: {quote(str(exc), 300)}"
+    return f"{type(exc).__name__}: {quote(str(exc), 300)}"

@@ -219,8 +219,13 @@ class ProducerActor:
         return self.core.stats.inserted_groups
 
     def fault_counts(self) -> dict:
-        return {**self.faults, "failed_groups": self.core.stats.failed_groups,
-                "aborted_groups": self.core.stats.aborted_groups}
+        """The summary's `faults`, with the mixed_policy counters beside them (requests
+        whose prefix was rebuilt under new weights: SPEC §9 wants them shown, since a
+        configured refresh mode does not prove a run crossed a publication)."""
+        s = self.core.stats
+        return {**self.faults, "failed_groups": s.failed_groups,
+                "aborted_groups": s.aborted_groups, "refreshed_requests": s.refreshed_requests,
+                "mixed_version_responses": s.mixed_version_responses}
 
     def groups_owned(self) -> int:
         return self.core.groups_owned

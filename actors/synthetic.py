@@ -40,6 +40,7 @@ class SyntheticTrainerWorker:
             cfg.synthetic.publish_bytes, plan.optimizer_steps_per_collection,
             world // self.model_parallel)
         self._metas: list[tuple] = []
+        self._channels: set[str] = set()
 
     def address(self) -> tuple[str, int]:
         return "127.0.0.1", 0
@@ -55,20 +56,39 @@ class SyntheticTrainerWorker:
         time.sleep(seconds * self.scale)
         return self.trainer.metrics(groups, version, seconds * self.scale)
 
-    def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
-                               backend: str, timeout_s: float | None = None,
-                               group_name: str | None = None) -> None:
-        time.sleep(self.trainer.transfer.group_init_s * self.scale)
-
     def reports_metrics(self) -> bool:
         return self.rank == 0
+
+    # ---- publication: the sender's interface (rl_async/state/sender.py), in simulated time
+    def open_channel(self, name: str, timeout_s: float) -> tuple[str, int]:
+        return "127.0.0.1", 0
+
+    def join_channel(self, name: str, world_size: int) -> None:
+        time.sleep(self.trainer.transfer.group_init_s * self.scale)
+        self._channels.add(name)
+
+    def close_channels(self, names: list[str]) -> None:
+        self._channels.difference_update(names)
+
+    def channels(self) -> list[str]:
+        return sorted(self._channels)
 
     def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
         self._metas = self.trainer.publication_metas(bucket_bytes)
         return self._metas if self.rank == 0 else []
 
-    def broadcast_bucket(self, index: int) -> None:
-        time.sleep(self.trainer.transfer.bucket_seconds(self._metas[index][3]) * self.scale)
+    def send_publication(self, names: list[str], which: str,
+                         timeout_s: float) -> tuple[int, dict[str, str]]:
+        """Every bucket to every channel, concurrently: as long as one channel's transfer."""
+        unknown = [n for n in names if n not in self._channels]
+        if unknown:
+            raise KeyError(f"channels {unknown} are not joined (joined: {self.channels()})")
+        for meta in self._metas:
+            time.sleep(self.trainer.transfer.bucket_seconds(meta[3]) * self.scale)
+        return sum(m[3] for m in self._metas), {}
+
+    def commit_publication(self) -> None:
+        pass
 
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:
         """Rank 0 writes what a checkpoint would carry besides the weights (ledger, version)."""
@@ -94,7 +114,7 @@ class SyntheticTrainerWorker:
             "dry run (train.backend = synthetic): no model weights to export\n")
         return directory
 
-    def snapshot_checksum(self) -> str:
+    def snapshot_checksum(self, which: str = "published") -> str:
         return self.weights_checksum()
 
     def weights_checksum(self) -> str:

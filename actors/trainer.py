@@ -1,7 +1,7 @@
 """Trainer worker actor: one data-parallel rank of the trainer group.
 
-Rank 0 is also the publisher: it joins the weight-publication collective group with every
-engine and broadcasts the flattened buckets (gloo on CPU, NCCL on GPU).
+Rank 0 is also the publisher: one channel (process group) per engine incarnation, over which
+it broadcasts the snapshot's buckets (gloo on CPU, NCCL on GPU; rl_async/state/sender.py).
 """
 
 from __future__ import annotations
@@ -12,17 +12,13 @@ import socket
 import ray
 import torch
 
-from rl_async.state import collective
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.state.models import resolve_dtype
 from rl_async.state.hf_export import export_hf
 from rl_async.base.types import Group
-from rl_async.state.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
-                              weights_checksum)
-
-PUBLICATION_GROUP = "rl_async_publication"
-
+from rl_async.state.sender import PublicationSender
+from rl_async.state.weights import weights_checksum
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -71,8 +67,7 @@ class TrainerWorker:
         if not cfg.cluster.trainer_gpus:
             torch.set_num_threads(max(1, int(cfg.cluster.trainer_cpus)))
         self.trainer = None
-        self._buckets: list = []
-        self._flat: list[torch.Tensor] = []  # publication buffers, reused
+        self._sender: PublicationSender | None = None  # rank 0, on first use
 
     def address(self) -> tuple[str, int]:
         return ray.util.get_node_ip_address(), free_port()
@@ -108,56 +103,58 @@ class TrainerWorker:
     def train(self, groups: list[Group], version: int) -> dict[str, float]:
         return self.trainer.train_collection(groups, version)
 
-    # ---- publication (rank 0) --------------------------------------------------------------
-    def init_publication_group(self, master_addr: str, master_port: int, world_size: int,
-                               backend: str, timeout_s: float | None = None,
-                               group_name: str = PUBLICATION_GROUP) -> None:
-        """Join (or, after an engine restart, re-form under a new name) the publication
-        group as its source, rank 0."""
-        collective.init_custom_process_group(backend, f"tcp://{master_addr}:{master_port}",
-                                             world_size, 0, group_name, timeout_s)
-        self._pub_group = group_name
+    # ---- publication (rank 0; rl_async/state/sender.py) -------------------------------------
+    @property
+    def sender(self) -> PublicationSender:
+        if self._sender is None:
+            gpu = bool(self.cfg.cluster.trainer_gpus)
+            self._sender = PublicationSender("nccl" if gpu else "gloo", "cuda" if gpu else "cpu")
+        return self._sender
+
+    def open_channel(self, name: str, timeout_s: float) -> tuple[str, int]:
+        """Host channel `name`'s rendezvous; the engine joins at the returned address."""
+        return ray.util.get_node_ip_address(), self.sender.open_channel(name, timeout_s)
+
+    def join_channel(self, name: str, world_size: int) -> None:
+        self.sender.join_channel(name, world_size)
+
+    def close_channels(self, names: list[str]) -> None:
+        for name in names:
+            self.sender.close_channel(name)
+
+    def channels(self) -> list[str]:
+        return self.sender.channels() if self.rank == 0 else []
 
     def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
-        """Snapshot the weights into buckets; returns each bucket's (names, dtypes, shapes,
+        """Stage a snapshot of the weights; returns each bucket's (names, dtypes, shapes,
         bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
         broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
-        # megatron gathers TP/PP shards collectively: every rank calls this, rank 0 sends.
+        # megatron gathers TP/PP shards collectively: every rank calls this, rank 0 stages.
         named = self.trainer.named_tensors_for_publication()
-        self._buckets = []
         if self.rank != 0:
             return []
         # fp32 master weights train; engines serve model.dtype, so that is what travels
         # (bf16 halves the bytes) and what the engines' checksum is compared with.
-        dtype = resolve_dtype(self.cfg.model.dtype)
-        live = {n: t.data_ptr() for n, t in named}
-        named = [(n, t.to(dtype)) for n, t in named]  # a copy only where the dtype differs
-        self._snapshot_checksum = (weights_checksum(named)
-                                   if self.cfg.publication.verify_checksum else None)
-        metas = []
-        for i, bucket in enumerate(bucket_named_tensors(named, bucket_bytes)):
-            nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
-            if flat:  # the snapshot is this one copy, into a buffer kept across publications
-                if i >= len(self._flat) or self._flat[i].numel() != nbytes:
-                    self._flat[i:i + 1] = [torch.empty(nbytes, dtype=torch.uint8,
-                                                       device=bucket[0][1].device)]
-                flat_t, names, dtypes, shapes = flatten_bucket(bucket, out=self._flat[i])
-                self._buckets.append(flat_t)
-            else:
-                names, dtypes, shapes = ([n for n, _ in bucket],
-                                         [dtype_name(t.dtype) for _, t in bucket],
-                                         [list(t.shape) for _, t in bucket])
-                # the snapshot: copy what is still a view of the live weights
-                self._buckets.append([t.clone() if t.data_ptr() == live[n] else t
-                                      for n, t in bucket])
-            metas.append((names, dtypes, shapes, nbytes))
-        return metas
+        return self.sender.stage(named, resolve_dtype(self.cfg.model.dtype), bucket_bytes,
+                                 flat, checksum=self.cfg.publication.verify_checksum)
 
-    def broadcast_bucket(self, index: int) -> None:
-        group = collective.get_group(getattr(self, "_pub_group", PUBLICATION_GROUP))
-        payload = self._buckets[index]
-        for tensor in payload if isinstance(payload, list) else [payload]:
-            torch.distributed.broadcast(tensor, group=group, group_src=0)
+    def send_publication(self, names: list[str], which: str,
+                         timeout_s: float) -> tuple[int, dict[str, str]]:
+        """The staged (or published) snapshot to each named channel; failed channels are
+        reported by name and destroyed."""
+        return self.sender.send(names, which, timeout_s)
+
+    def commit_publication(self) -> None:
+        self.sender.commit()
+
+    def snapshot_checksum(self, which: str = "published") -> str:
+        """A snapshot's checksum (publication.verify_checksum): what the engines must hold,
+        even when training has moved on while the snapshot was sent."""
+        digest = self.sender.snapshot(which).checksum
+        if digest is None:
+            raise RuntimeError("snapshot_checksum: no snapshot taken with "
+                               "publication.verify_checksum = true")
+        return digest
 
     # ---- checkpoints and checks ------------------------------------------------------------
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:
@@ -182,14 +179,6 @@ class TrainerWorker:
         dtype = resolve_dtype(self.cfg.model.dtype)
         return weights_checksum((n, t.to(dtype))
                                 for n, t in self.trainer.named_tensors_for_publication())
-
-    def snapshot_checksum(self) -> str:
-        """The last publication snapshot's checksum (publication.verify_checksum): what the
-        engines must hold, even when training has moved on while the snapshot was sent."""
-        if getattr(self, "_snapshot_checksum", None) is None:
-            raise RuntimeError("snapshot_checksum: no snapshot taken with "
-                               "publication.verify_checksum = true")
-        return self._snapshot_checksum
 
     def named_weights(self) -> list:
         return [(n, t.detach().cpu().clone()) for n, t in self.trainer.named_tensors_for_publication()]

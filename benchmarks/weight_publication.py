@@ -8,9 +8,10 @@ fleet idle, alternately:
                drain, RayFleet.transfer: snapshot + flatten buckets on trainer rank 0,
                broadcast each bucket, engines unflatten and load, set the version; resume);
                `transfer_seconds` is RayFleet.transfer alone;
-  raw:         one broadcast of a preallocated flat uint8 tensor of the same total size from
-               trainer rank 0 to both engines, over the same publication group, run inside
-               the same trainer and engine actor processes (Ray's `__ray_call__`).
+  raw:         a broadcast of a preallocated flat uint8 tensor of the same total size from
+               trainer rank 0 on each engine's publication channel, all at once (the
+               transport the product uses: one channel per engine), run inside the same
+               trainer and engine actor processes (Ray's `__ray_call__`).
 Each side is timed from the caller (one asyncio loop in a helper actor), median of --reps.
 
     python benchmarks/weight_publication.py --json
@@ -37,13 +38,19 @@ def _raw_prepare(actor, nbytes: int) -> None:
 
 
 def _raw_broadcast(actor) -> float:
+    """Trainer rank 0: the bytes to every engine's channel at once; an engine: receive them."""
     import torch
 
-    from actors.trainer import PUBLICATION_GROUP
     from rl_async.state import collective
+    if hasattr(actor, "sender"):
+        names = actor.sender.channels()
+    else:
+        names = actor.engine.weight_update_groups()
     start = time.perf_counter()
-    torch.distributed.broadcast(actor._bench_raw, group=collective.get_group(PUBLICATION_GROUP),
-                                group_src=0)
+    works = [torch.distributed.broadcast(actor._bench_raw, group=collective.get_group(n),
+                                         group_src=0, async_op=True) for n in names]
+    for work in works:
+        work.wait()
     return time.perf_counter() - start
 
 
@@ -80,7 +87,11 @@ class PublicationBench:
                 raw.append(time.perf_counter() - t0)
                 inner.append(max(times))
                 await asyncio.gather(*(r.__ray_call__.remote(_raw_release) for r in ranks))
-            await fleet.verify_weights()  # the timed publications really moved the weights
+            # the timed publications really moved the weights (the trainer is idle: its
+            # live weights are the last published ones)
+            want = await fleet.trainers[0].weights_checksum.remote()
+            got = await asyncio.gather(*(e.weights_checksum.remote() for e in fleet.engines))
+            assert got == [want] * len(got), "an engine does not hold the published weights"
         finally:
             await fleet.shutdown()
         return {"publication": pub, "transfer": transfer, "raw": raw, "raw_inner": inner,

@@ -220,9 +220,18 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     return load_jsonl(path, tokenizer, vocab_size)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def load_tokenizer(model_cfg):
-    """The checkpoint's tokenizer (local files only), or None for config-built models."""
+    """The checkpoint's tokenizer (local files only), or None for config-built models and
+    weights-only checkpoints (no tokenizer file: token-id tasks need none; text rows then
+    fail to load, naming the missing tokenizer)."""
     if model_cfg.path is None:
+        return None
+    from pathlib import Path
+
+    if not any((Path(model_cfg.path).expanduser() / f).is_file() for f in TOKENIZER_FILES):
         return None
     from transformers import AutoTokenizer
 

@@ -139,14 +139,29 @@ class Engine(abc.ABC):
                                         rank_offset: int, world_size: int, group_name: str,
                                         backend: str, timeout_s: float | None = None
                                         ) -> None:
-        """`timeout_s` bounds the rendezvous and every receive on the group: a receive whose
-        sender failed mid-broadcast (a peer died) errors then instead of blocking the
-        engine, so the fleet can redo the publication over a new group."""
+        """Join publication channel `group_name` (trainer rank 0 hosts it at
+        master_address:master_port). `timeout_s` bounds the rendezvous and, where the
+        backend allows, every receive on it."""
+
+    @abc.abstractmethod
+    async def destroy_weights_update_group(self, group_name: str) -> None: ...
+
+    @abc.abstractmethod
+    def weight_update_groups(self) -> list[str]:
+        """The channels this engine has joined and not destroyed."""
 
     @abc.abstractmethod
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
-                                              weight_version: int | None = None) -> None: ...
+                                              weight_version: int | None = None, *,
+                                              flush_cache: bool | None = None) -> None:
+        """One bucket over channel `group_name`; the call carrying `weight_version` is the
+        last. `flush_cache` (None: on the last bucket) drops the prefix cache after it."""
+
+    async def weights_checksum(self) -> str:
+        raise EngineError(f"{type(self).__name__} cannot report a checksum of the weights it "
+                          f"serves; publication.verify_checksum = true needs engine.backend = "
+                          f"'embedded' (rl-async validate refuses the combination)")
 
     @abc.abstractmethod
     async def update_weights_from_tensor(self, named_tensors: list, weight_version: int | None = None

@@ -118,6 +118,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._requests: dict[str, Request] = {}
         self._recv_buffers: dict[tuple[str, ...], torch.Tensor] = {}
         self._bound: set[tuple[str, ...]] = set()  # buckets the parameters are views into
+        self._joined: set[str] = set()  # publication channels joined, not destroyed
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
         self.step_curve = StepCurve()  # step seconds vs requests in the step (calibration)

@@ -18,7 +18,7 @@ from rl_async.state.weights import bucket_nbytes, unflatten_bucket
 
 class EngineWeightsMixin:
     """Needs from the engine: `device`, `_params`, `_version`, `_recv_buffers`, `_bound`,
-    `_guard()`, `_retract_running()`."""
+    `_joined` (a set), `_guard()`, `_retract_running()`."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
@@ -30,19 +30,29 @@ class EngineWeightsMixin:
         await asyncio.to_thread(collective.init_custom_process_group, backend,
                                 f"tcp://{master_address}:{master_port}", world_size,
                                 rank_offset, group_name, timeout_s)
+        self._joined.add(group_name)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         collective.destroy_group(group_name)
+        self._joined.discard(group_name)
+
+    def weight_update_groups(self) -> list[str]:
+        return sorted(self._joined)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
-                                              weight_version: int | None = None) -> None:
+                                              weight_version: int | None = None, *,
+                                              flush_cache: bool | None = None) -> None:
+        """`flush_cache` is moot here: every update retracts running requests, and this
+        engine keeps no prefix cache across requests, so no KV of old weights survives."""
+        if group_name not in self._joined:
+            raise EngineError(f"update_weights_from_distributed: channel {group_name!r} was "
+                              f"never joined by this engine (joined: {self.weight_update_groups()})")
         group = collective.get_group(group_name)
         # Always take part in the broadcast (the sender would hang otherwise); check after.
         # One receive buffer per bucket, kept across publications. After the first load the
         # parameters ARE views into it (zero-copy): later broadcasts land in the weights.
         key = tuple(names)
-        self._check_version(weight_version)
         flat = self._recv_buffers.get(key)
         if flat is None:
             flat = self._recv_buffers[key] = torch.empty(

@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_async.state.collective import NCCL_ENV
+
 SGLANG_VERSION = "0.5.23"  # the SGLang release this backend speaks to (pyproject extra `sglang`)
 
 # Flags this module sets itself; passing them through `server_args` would silently fight them.
@@ -64,10 +66,11 @@ class SGLangEngineConfig:
     # Extra `sglang.launch_server` flags from the run file, e.g. {"dtype": "bfloat16",
     # "disable_radix_cache": True, "cuda_graph_max_bs": 64}. True = bare flag, False/None = omit.
     server_args: dict[str, Any] = field(default_factory=dict)
-    # The interface's only stop condition is `stop_token_ids` (as in the embedded engine), so
-    # the model's own EOS does not stop a request unless the caller lists it. False = SGLang's
-    # default (also stop at EOS).
-    ignore_eos: bool = True
+    # SGLang's Req.check_finished tests `stop_token_ids` INSIDE `if not ignore_eos`, so
+    # ignore_eos = true makes every response run to max_new_tokens past its EOS and stop
+    # ids. False (rollouts): stop at the stop ids and at the model's own EOS ids (its
+    # tokenizer's and generation config's). True only for fixed-length benchmarks.
+    ignore_eos: bool = False
     startup_timeout_s: float = 900.0
     health_poll_interval_s: float = 2.0
     generate_timeout_s: float = 3600.0
@@ -195,4 +198,7 @@ def build_launch_env(config: SGLangEngineConfig, base_env: dict[str, str]) -> di
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in config.gpu_ids)
     # Python buffers a piped stdout; unbuffered output keeps the log tail current for errors.
     env["PYTHONUNBUFFERED"] = "1"
+    # The NCCL settings the trainer's end of a publication channel runs with (SGLang forces
+    # NCCL_CUMEM_ENABLE itself, to the same "0"; set here so the two never differ).
+    env.update(NCCL_ENV)
     return env

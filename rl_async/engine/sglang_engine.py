@@ -61,6 +61,7 @@ class SGLangEngine(Engine):
         self._session: aiohttp.ClientSession | None = None
         self._weight_version = config.initial_weight_version
         self._update_session_open = False
+        self._groups: set[str] = set()  # publication channels joined (by this client)
         self._in_flight: set[str] = set()
         self._load = EngineLoad(max_running_requests=config.max_running_requests or 0)
         self._poller: asyncio.Task | None = None
@@ -225,6 +226,11 @@ class SGLangEngine(Engine):
                                        f"{attempts})") from cause
         raise AssertionError("unreachable")
 
+    @property
+    def server_pid(self) -> int | None:
+        """The server process this engine launched (None when attached)."""
+        return self._process.pid if self._process is not None else None
+
     async def health(self) -> None:
         """The supervisor's probe: the server process lives and answers /health."""
         if self._process is not None and self._process.poll() is not None:
@@ -292,6 +298,17 @@ class SGLangEngine(Engine):
                                            world_size, group_name, backend)
         proto.check_success(await self._weights("/init_weights_update_group", payload),
                             "POST /init_weights_update_group")
+        self._groups.add(group_name)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Free the server's end of a channel (its NCCL communicator holds GPU memory)."""
+        proto.check_success(await self._weights("/destroy_weights_update_group",
+                                                {"group_name": group_name}),
+                            "POST /destroy_weights_update_group")
+        self._groups.discard(group_name)
+
+    def weight_update_groups(self) -> list[str]:
+        return sorted(self._groups)
 
     async def begin_weight_update(self) -> None:
         proto.check_success(await self._weights("/begin_weight_update", {}),

@@ -11,6 +11,7 @@ Endpoints and request classes of SGLang 0.5.23 (`sglang.srt.managers.io_struct`)
     POST /continue_generation               ContinueGenerationReqInput {}
     POST /flush_cache?timeout=S             (query parameter; 400 while requests are running)
     POST /init_weights_update_group         InitWeightsUpdateGroupReqInput
+    POST /destroy_weights_update_group      DestroyWeightsUpdateGroupReqInput {group_name}
     POST /begin_weight_update               BeginWeightUpdateReqInput {}
     POST /update_weights_from_distributed   UpdateWeightsFromDistributedReqInput
     POST /update_weights_from_tensor        UpdateWeightsFromTensorReqInput (base64 bytes)
@@ -52,8 +53,9 @@ _FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def generate_payload(input_ids: list[int], params: SamplingParams, rid: str,
-                     ignore_eos: bool = True) -> dict[str, Any]:
-    """The /generate body: token ids in, log-probs of the sampled tokens out."""
+                     ignore_eos: bool = False) -> dict[str, Any]:
+    """The /generate body: token ids in, log-probs of the sampled tokens out. `ignore_eos`
+    also disables `stop_token_ids` in SGLang (Req.check_finished): rollouts keep it False."""
     if not input_ids:
         raise InvalidRequestError(f"request {rid!r}: input_ids is empty: give at least one token")
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):

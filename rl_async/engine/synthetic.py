@@ -64,7 +64,7 @@ class SyntheticEngine(Engine):
         self._version = 0
         self._paused = False
         self._closed = False
-        self._group: str | None = None
+        self._groups: set[str] = set()  # publication channels joined
         self._pub_names: list[str] = []
         self._pub_bytes = 0
         self._checksum = payload_checksum([], 0)
@@ -172,15 +172,22 @@ class SyntheticEngine(Engine):
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
                                         backend: str, timeout_s: float | None = None) -> None:
-        self._group = group_name
+        self._groups.add(group_name)
         await self._sleep(self.transfer.group_init_s)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        self._groups.discard(group_name)
+
+    def weight_update_groups(self) -> list[str]:
+        return sorted(self._groups)
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
-                                              weight_version: int | None = None) -> None:
-        if group_name != self._group:
+                                              weight_version: int | None = None, *,
+                                              flush_cache: bool | None = None) -> None:
+        if group_name not in self._groups:
             raise EngineError(f"update_weights_from_distributed: group {group_name!r} was never "
-                              f"initialised (init_weights_update_group joined {self._group!r})")
+                              f"initialised (joined: {self.weight_update_groups()})")
         nbytes = payload_nbytes(dtypes, shapes)
         await self._sleep(self.transfer.bucket_seconds(nbytes))
         self._receive(list(names), nbytes, weight_version)

@@ -61,9 +61,6 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     errors: list[str] = []
     c = cfg.cluster
     if cfg.engine.backend == "sglang":
-        if c.inference_gpus == 0:
-            errors.append("engine.backend = 'sglang' needs cluster.inference_gpus > 0; use "
-                          "engine.backend = 'embedded' on CPU")
         if cfg.model.path is None:
             errors.append("engine.backend = 'sglang' needs model.path (a checkpoint directory "
                           "the SGLang server loads); model.hf_config is for the embedded engine")
@@ -113,6 +110,23 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
 GPUS_PER_NODE = 8  # the usual GPU node; more GPUs than this means several nodes
 
 
+def engine_warnings(cfg: RunConfig) -> list[Warning_]:
+    """SGLang settings that are legal but rarely what a run wants."""
+    if cfg.engine.backend != "sglang":
+        return []
+    out = []
+    if cfg.cluster.inference_gpus == 0:
+        out.append(Warning_("SGLANG_ON_CPU", (
+            "engine.backend = 'sglang' with cluster.inference_gpus = 0 launches SGLang's CPU "
+            "backend (--device cpu, weights over gloo); rl-async has run this path only "
+            "against a test double of the server, never against SGLang on a CPU")))
+    if cfg.sglang.ignore_eos:
+        out.append(Warning_("IGNORE_EOS", (
+            "sglang.ignore_eos = true: SGLang then skips the stop ids as well as EOS, so every "
+            "response runs to rollout.max_response_len; for fixed-length benchmarks only")))
+    return out
+
+
 def storage_warnings(cfg: RunConfig) -> list[Warning_]:
     """Checkpoints and exports are written by the ranks that hold the data, on their own
     nodes: a multi-node run needs run.output_dir on storage every node shares."""
@@ -158,14 +172,18 @@ def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
 
 
 def publication_errors(cfg: RunConfig) -> list[str]:
-    """The publication deadline must leave room for its own drain: up to drain_timeout_s for
-    in-flight requests, then as long again for the aborted ones, then the transfer."""
+    """The publication deadline must leave room for its own stages: up to drain_timeout_s
+    for in-flight requests and as long again for the aborted ones, then one channel
+    deadline to form a replacement's channel and one for a bucket stuck on an engine that
+    hangs (that engine is then dropped, the others go on), then the transfer itself."""
     p = cfg.publication
-    if p.timeout_s <= 2 * p.drain_timeout_s:
+    need = 2 * p.drain_timeout_s + 2 * p.channel_timeout_s
+    if p.timeout_s <= need:
         return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
-                f"publication.drain_timeout_s = {2 * p.drain_timeout_s:g} (drain, abort and "
-                f"drain again, then transfer); raise publication.timeout_s or lower "
-                f"publication.drain_timeout_s"]
+                f"publication.drain_timeout_s + 2 x publication.channel_timeout_s = "
+                f"{2 * p.drain_timeout_s:g} + {2 * p.channel_timeout_s:g} = {need:g} (drain, "
+                f"abort and drain again, form a replacement's channel, outwait one hung "
+                f"engine, then transfer); raise publication.timeout_s or lower the others"]
     return []
 
 
@@ -173,4 +191,4 @@ def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
               + trainer_layout_errors(cfg, plan) + publication_errors(cfg))
-    return Report(plan=plan, warnings=warnings + storage_warnings(cfg), errors=errors)
+    return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + storage_warnings(cfg), errors=errors)

@@ -107,13 +107,26 @@ class SGLangSection(Section):
     # HTTP permits per engine; omitted -> 2 x max_running_requests in structured async files.
     server_concurrency: PositiveInt | None = None
     mem_fraction_static: float = Field(0.8, gt=0, le=1)
-    port_base: int = Field(30000, ge=1024, le=65000)
+    # Engine i listens on port_base + i; 0 = an ephemeral port per engine.
+    port_base: int = Field(30000, ge=0, le=65000)
     startup_timeout_s: PositiveFloat = 600.0
     request_timeout_s: PositiveFloat = 600.0
     speculative_algorithm: str | None = None
     disaggregation_mode: Literal["null", "prefill", "decode"] = "null"
+    # true: responses never stop at EOS or stop ids (SGLang skips both): fixed-length
+    # benchmarks only, never rollouts.
+    ignore_eos: bool = False
+    # The module run as `python -m <launch_module>` (a site's wrapper around SGLang's).
+    launch_module: str = "sglang.launch_server"
     # Passed through to `sglang.launch_server` as --key value.
     extra_args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _port_base(self) -> SGLangSection:
+        if 0 < self.port_base < 1024:
+            raise ValueError(f"sglang.port_base = {self.port_base}: use 0 (ephemeral ports) "
+                             f"or a port >= 1024")
+        return self
 
 
 class RolloutSection(Section):
@@ -195,9 +208,12 @@ class PublicationSection(Section):
     bucket_bytes: PositiveInt = 256 * 1024 * 1024
     # Compare engine weight checksums to the trainer's after each publication (slow).
     verify_checksum: bool = False
-    # Deadline for one whole publication (snapshot to resume), and the publication group's
-    # collective timeout: a hung broadcast fails the run with the stage and bucket named.
+    # Deadline for one whole publication (snapshot to resume): a hung publication fails the
+    # run with the stage and bucket named.
     timeout_s: PositiveFloat = 300.0
+    # Each engine's channel: joining it, and each bucket on it, must finish within this;
+    # past it that engine is lost (restarted) and the others' transfers go on.
+    channel_timeout_s: PositiveFloat = 60.0
 
 
 class TaskSection(Section):

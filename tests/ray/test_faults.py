@@ -17,8 +17,10 @@ pytestmark = pytest.mark.ray
 
 FT = ["engine.health_check_interval_s=1", "engine.health_check_timeout_s=10",
       "cluster.cpu_engines=2", "cluster.engine_cpus=0.5",
-      # a broadcast stuck on a hung engine errors after timeout_s / 3 and is redone
-      "publication.drain_timeout_s=5", "publication.timeout_s=45"]
+      # a bucket stuck on a hung engine's channel errors after channel_timeout_s; that
+      # engine is dropped, the others' transfers go on
+      "publication.drain_timeout_s=5", "publication.channel_timeout_s=15",
+      "publication.timeout_s=45"]
 
 
 def start(cfg, report):
@@ -28,10 +30,14 @@ def start(cfg, report):
     return controller, controller.run.remote()
 
 
-def wait_for_step(controller, step, timeout=180):
+def wait_for_step(controller, step, timeout=180, run_ref=None):
+    """Until the run reaches `step`; a run that ended first (failed) raises its error."""
     deadline = time.monotonic() + timeout
     while ray.get(controller.progress.remote()).get("step", 0) < step:
         assert time.monotonic() < deadline, f"the run never reached step {step}"
+        if run_ref is not None and ray.wait([run_ref], timeout=0)[0]:
+            ray.get(run_ref)  # raises the run's error
+            raise AssertionError(f"the run ended before step {step}")
         time.sleep(0.3)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 CHECKS = {"embedded_engine_vs_hf_generate", "torch_trainer_bf16_step",
-          "megatron_tp1_step_and_round_trip", "publication_buckets"}
+          "megatron_tp1_step_and_round_trip", "publication_buckets", "publication_channel"}
 
 
 # Imported at interpreter start-up (PYTHONPATH): Ray, SGLang and the HTTP/config stack are

@@ -285,11 +285,15 @@ def test_mid_run_evaluation_drains_only_when_asked():
     assert drained.count("pause_admission") == 3
 
 
-def test_validate_requires_the_deadline_to_cover_the_drain():
+def test_validate_requires_the_deadline_to_cover_the_drain_and_the_channel_deadlines():
     cfg, _ = config(publication={"drain_timeout_s": 100.0, "timeout_s": 150.0})
     errors = validate(cfg).errors
-    assert any("publication.timeout_s = 150 must exceed 2 x publication.drain_timeout_s = 200"
-               in e for e in errors), errors
+    assert any("publication.timeout_s = 150 must exceed 2 x publication.drain_timeout_s + 2 x "
+               "publication.channel_timeout_s = 200 + 120 = 320" in e for e in errors), errors
+    # the drain fits, but not a replacement's join plus one hung engine's bucket
+    tight, _ = config(publication={"drain_timeout_s": 30.0, "timeout_s": 150.0,
+                                   "channel_timeout_s": 50.0})
+    assert any("= 60 + 100 = 160" in e for e in validate(tight).errors)
     ok, _ = config(publication={"drain_timeout_s": 30.0, "timeout_s": 300.0})
     assert not [e for e in validate(ok).errors if "publication.timeout_s" in e]
 

@@ -141,7 +141,7 @@ def test_generate_payload_and_parsed_output():
             "rid": "r1", "input_ids": [5, 6, 7], "return_logprob": True,
             "logprob_start_len": -1, "stream": False,
             "sampling_params": {"max_new_tokens": 4, "temperature": 0.7, "top_p": 0.9,
-                                "top_k": 20, "ignore_eos": True, "stop_token_ids": [2, 7],
+                                "top_k": 20, "ignore_eos": False, "stop_token_ids": [2, 7],
                                 "sampling_seed": 11},
         }
         assert out.request_id == "r1" and out.output_ids == [8, 9, 10, 11]

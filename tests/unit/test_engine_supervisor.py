@@ -1,0 +1,98 @@
+"""The engine supervisor (actors/engine_supervisor.py) restarts engines in tasks of their own:
+a lost node's engines come back concurrently, and the probe loop keeps probing the others
+while they start (it used to await each restart inside the loop: one at a time, and a
+second engine that hung meanwhile went unnoticed for minutes)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import actors.engine_supervisor as sup
+from rl_async.plan.load import load_config
+
+
+class Call:
+    """`handle.method.remote(...)` returning an awaitable, like a Ray actor handle's."""
+
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class FakeEngine:
+    def __init__(self, fleet, i: int, healthy: bool = True):
+        self.fleet, self.i, self.healthy = fleet, i, healthy
+        self.health = Call(self._health)
+        self.start = Call(self._start)
+
+    async def _health(self):
+        self.fleet.probes.append(self.i)
+        if not self.healthy:
+            raise RuntimeError("sglang server exited with code -9")
+        return {"seconds_without_progress": 0.0}
+
+    async def _start(self):
+        self.fleet.starting.add(self.i)
+        self.fleet.most_starting = max(self.fleet.most_starting, len(self.fleet.starting))
+        await self.fleet.release.wait()
+        self.fleet.starting.discard(self.i)
+
+
+class FakeFleet:
+    def __init__(self, cfg):
+        self.cfg, self.prefix = cfg, "t"
+        self.engines = [FakeEngine(self, i, healthy=i == 2) for i in range(3)]
+        self.down, self.pending_up, self.fault_log = set(), set(), []
+        self.incarnations = {}
+        self.members_lock = asyncio.Lock()
+        self.engine_start_timeout_s = 30
+        self.probes, self.starting, self.most_starting = [], set(), 0
+        self.release = asyncio.Event()
+        self.caught_up = 0
+        noop = Call(lambda *a: asyncio.sleep(0))
+        self.producer = types.SimpleNamespace(engine_down=noop, fail=noop)
+
+    async def bounded(self, ref, what, timeout_s=120):
+        return await ref
+
+    def start_engine(self, i):
+        return FakeEngine(self, i)
+
+    async def catch_up(self):
+        self.caught_up += 1
+
+
+def test_restarts_run_concurrently_and_probing_goes_on_meanwhile(monkeypatch):
+    cfg = load_config("cluster_configs/local.toml", ["engine.health_check_interval_s=0.05",
+                                                     "engine.max_restarts=5"])
+    monkeypatch.setattr(sup.ray, "kill", lambda actor, no_restart=True: None)
+
+    async def name_free(name):
+        return None
+
+    monkeypatch.setattr(sup.EngineSupervisor, "_name_free", staticmethod(name_free))
+
+    async def main():
+        fleet = FakeFleet(cfg)
+        supervisor = sup.EngineSupervisor(fleet)
+        supervisor.start()
+        for _ in range(200):  # engines 0 and 1 fail their probes at once
+            if fleet.most_starting == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert fleet.most_starting == 2, "the two replacements did not start concurrently"
+        probes_while_starting = len(fleet.probes)
+        await asyncio.sleep(0.3)
+        assert fleet.probes.count(2) >= 3 and len(fleet.probes) > probes_while_starting, \
+            "the probe loop stopped probing while replacements were starting"
+        fleet.release.set()
+        for _ in range(200):
+            if fleet.pending_up == {0, 1}:
+                break
+            await asyncio.sleep(0.01)
+        supervisor.stop()
+        assert fleet.pending_up == {0, 1} and fleet.incarnations == {0: 1, 1: 1}
+        assert supervisor.restarts.restarts == 2 and supervisor.fatal is None
+        assert all("exited with code -9" in f["cause"] for f in fleet.fault_log)
+
+    asyncio.run(main())
