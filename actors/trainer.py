@@ -53,6 +53,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
         global_batch_size=plan.global_batch_size, micro_batch_size=t.micro_batch_size,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
         use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
@@ -103,6 +104,16 @@ class TrainerWorker:
     def train(self, groups: list[Group], version: int) -> dict[str, float]:
         return self.trainer.train_collection(groups, version)
 
+    def _hf_tensors(self):
+        """The policy's HF-named tensors on rank 0 (an iterable); None elsewhere. megatron
+        gathers TP/PP shards collectively, so its other ranks take part here."""
+        named = self.trainer.named_tensors_for_publication()
+        if self.rank == 0:
+            return named
+        for _ in named:  # megatron: this rank's gathers and sends happen as it is consumed
+            pass
+        return None
+
     # ---- publication (rank 0; rl_async/state/sender.py) -------------------------------------
     @property
     def sender(self) -> PublicationSender:
@@ -129,9 +140,8 @@ class TrainerWorker:
         """Stage a snapshot of the weights; returns each bucket's (names, dtypes, shapes,
         bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
         broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
-        # megatron gathers TP/PP shards collectively: every rank calls this, rank 0 stages.
-        named = self.trainer.named_tensors_for_publication()
-        if self.rank != 0:
+        named = self._hf_tensors()
+        if named is None:
             return []
         # fp32 master weights train; engines serve model.dtype, so that is what travels
         # (bf16 halves the bytes) and what the engines' checksum is compared with.
@@ -167,8 +177,8 @@ class TrainerWorker:
     def export_hf(self, directory: str) -> str | None:
         """Write the policy as a Hugging Face directory (rl_async.state.hf_export). Every megatron
         rank takes part in gathering the shards; rank 0 writes."""
-        named = self.trainer.named_tensors_for_publication()
-        if self.rank != 0:
+        named = self._hf_tensors()
+        if named is None:
             return None
         m = self.cfg.model
         return str(export_hf(named, directory, hf_config=m.hf_config, path=m.path,

@@ -50,8 +50,34 @@ def _print_table(cfg: RunConfig, report: Report) -> None:
     console.print(table)
     from rich.markup import escape  # messages may quote "[synthetic]": text, not markup
 
+    if report.memory is None:
+        console.print(f"memory plan: none ({escape(report.memory_note)})", soft_wrap=True)
+    else:
+        _print_memory(console, report.memory)
+
     for w in report.warnings:
         console.print(f"[yellow]warning {w.code}[/yellow]: {escape(w.message)}", soft_wrap=True)
+
+
+def _print_memory(console, memory) -> None:
+    from rich.table import Table
+
+    m = memory.to_dict()
+    table = Table(title=f"memory per GPU, GiB (of {m['gpu_memory_gb']:g}; "
+                        f"architecture from {m['breakdown']['source']})")
+    table.add_column("part")
+    for who in ("trainer", "engine"):
+        if who in m["breakdown"]:
+            table.add_column(who, justify="right")
+    rows: dict[str, list[str]] = {}
+    for col, who in enumerate(w for w in ("trainer", "engine") if w in m["breakdown"]):
+        for key, value in m["breakdown"][who].items():
+            rows.setdefault(key, [""] * (len(table.columns) - 1))[col] = str(value)
+    for key, values in rows.items():
+        table.add_row(key, *values)
+    totals = [str(m[f"{w}_gb_per_gpu"]) for w in ("trainer", "engine") if w in m["breakdown"]]
+    table.add_row("[bold]total per GPU[/bold]", *totals)
+    console.print(table)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -6,10 +6,13 @@ returns the capacity plan, its warnings and every error, each naming key paths a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
+from rl_async.plan.memory import MemoryPlan, plan_memory
 
 
 @dataclass
@@ -17,13 +20,17 @@ class Report:
     plan: CapacityPlan
     warnings: list[Warning_] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    memory: MemoryPlan | None = None
+    memory_note: str = ""  # where the model's architecture came from, or why no plan
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
     def to_json(self) -> dict:
-        return {"runtime": {"async_capacity": self.plan.to_dict()},
+        memory = (self.memory.to_dict() if self.memory is not None
+                  else {"unavailable": self.memory_note})
+        return {"runtime": {"async_capacity": self.plan.to_dict(), "memory": memory},
                 "warnings": [w.to_dict() for w in self.warnings],
                 "errors": list(self.errors)}
 
@@ -187,8 +194,25 @@ def publication_errors(cfg: RunConfig) -> list[str]:
     return []
 
 
+def architecture_errors(cfg: RunConfig) -> list[str]:
+    """model.architecture must describe the checkpoint it stands in for, where it is readable."""
+    m = cfg.model
+    config = Path(m.path) / "config.json" if m.path else None
+    if m.architecture is None or config is None or not config.is_file():
+        return []
+    real = json.loads(config.read_text())
+    wrong = {k: (v, real.get(k)) for k, v in m.architecture.items() if real.get(k) != v}
+    return [f"model.architecture.{k} = {v!r} but {config} has {r!r}"
+            for k, (v, r) in wrong.items()]
+
+
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-              + trainer_layout_errors(cfg, plan) + publication_errors(cfg))
-    return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + storage_warnings(cfg), errors=errors)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg)
+              + architecture_errors(cfg))
+    memory, note, mem_warnings, mem_errors = (None, "", [], [])
+    if not errors:  # a plan of an invalid layout would only add noise
+        memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)
+    return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + storage_warnings(cfg)
+                  + mem_warnings, errors=errors + mem_errors, memory=memory, memory_note=note)

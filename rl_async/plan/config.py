@@ -62,6 +62,8 @@ class ClusterSection(Section):
     # CPU cores reserved for each engine / trainer worker actor (Ray resources).
     engine_cpus: PositiveFloat = 1.0
     trainer_cpus: PositiveFloat = 1.0
+    # Memory of one GPU, for the memory plan (`rl-async plan`): 80 (H100/A100), 141 (H200).
+    gpu_memory_gb: PositiveFloat = 80.0
 
 
 class ModelSection(Section):
@@ -70,6 +72,9 @@ class ModelSection(Section):
 
     hf_config: dict[str, Any] | None = None
     path: str | None = None
+    # With `path`: the checkpoint's architecture (config.json's fields) for `rl-async plan`
+    # on a machine that cannot read the checkpoint; checked against config.json where it can.
+    architecture: dict[str, Any] | None = None
     init_seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -82,6 +87,9 @@ class ModelSection(Section):
                 "set exactly one of model.hf_config (random weights from a config) or "
                 "model.path (a local Hugging Face checkpoint directory)"
             )
+        if self.architecture is not None and self.path is None:
+            raise ValueError("model.architecture describes model.path's checkpoint; with "
+                             "model.hf_config the architecture is hf_config itself: remove it")
         return self
 
 
@@ -139,6 +147,9 @@ class RolloutSection(Section):
     # Tokens that end a response. None: the built-in task's EOS, or the model's
     # eos_token_id (from model.path's config) for JSONL tasks.
     stop_token_ids: list[int] | None = None
+    # Longest prompt in tokens: the embedded engine refuses longer ones, and the memory plan
+    # sizes sequences as max_prompt_len + max_response_len (it assumes 512 when unset).
+    max_prompt_len: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _top_k(self) -> RolloutSection:
@@ -168,6 +179,16 @@ class TrainSection(Section):
     advantage: Literal["group_norm", "mean_only"] = "group_norm"
     tensor_parallel: PositiveInt = 1
     pipeline_parallel: PositiveInt = 1
+    # Micro-batches by a padded-token budget (rows x longest sequence) instead of
+    # micro_batch_size rows: long responses then never share a micro-batch with many others.
+    max_tokens_per_microbatch: PositiveInt | None = None
+    # megatron: "transformer_engine" (fused/flash attention, no s x s matrix; needs TE on a
+    # GPU), "local" (megatron's unfused attention: builds the s x s scores in fp32), or
+    # "auto" (TE when it is importable on a GPU, else local; the memory plan assumes TE on GPU).
+    transformer_impl: Literal["auto", "transformer_engine", "local"] = "auto"
+    # megatron activation recompute: "selective" recomputes core attention in the backward
+    # (the s x s scores are never kept), "full" recomputes each layer from its input.
+    recompute: Literal["none", "selective", "full"] = "none"
 
 
 class AsyncSection(Section):

@@ -46,6 +46,10 @@ def _write_weights(named: Sequence[tuple[str, torch.Tensor]], out: Path, dtype: 
     for name, tensor in named:
         t = tensor.detach().to("cpu", dtype).contiguous()
         nbytes = t.numel() * t.element_size()
+        if t.untyped_storage().nbytes() != nbytes:
+            # A view into a larger storage (megatron's gate/up halves of one fc1, a CPU
+            # tensor that .to() did not copy): safetensors refuses tensors sharing memory.
+            t = t.clone()
         if shards[-1] and size + nbytes > shard_bytes:
             shards.append({})
             size = 0

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rl_async.base.types import Sample
+from rl_async.train.logits import token_logprobs as chunked_logprobs
 
 
 @dataclass
@@ -48,6 +49,27 @@ def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
     return TrainItem(list(sample.prompt_ids), list(sample.response_ids),
                      [float(x) for x in sample.behavior_logprobs], list(sample.token_versions),
                      float(advantage))
+
+
+def micro_batches(items: Sequence[TrainItem], size: int,
+                  max_tokens: int | None = None) -> list[Sequence[TrainItem]]:
+    """Consecutive micro-batches of `items`: `size` items each, or, with `max_tokens`
+    (train.max_tokens_per_microbatch), as many as fit a padded-token budget: a micro-batch
+    grows while its row count x its longest sequence stays within `max_tokens` (at least one
+    item, even a longer one). The split changes no gradient: the loss is the token mean over
+    the whole optimizer step, whatever the micro-batches."""
+    if max_tokens is None:
+        return [items[i:i + size] for i in range(0, len(items), size)]
+    out, start, longest = [], 0, 0
+    for i, it in enumerate(items):
+        n = len(it.prompt_ids) + it.response_len
+        if i > start and max(longest, n) * (i - start + 1) > max_tokens:
+            out.append(items[start:i])
+            start, longest = i, 0
+        longest = max(longest, n)
+    if start < len(items):
+        out.append(items[start:])
+    return out
 
 
 @dataclass
@@ -116,16 +138,9 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: floa
     keep = L - batch.start  # logits for positions start .. L-1
     out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
                 logits_to_keep=keep, use_cache=False)
-    logits_BTV = out.logits[:, :-1].float() / temperature
-    log_z_BT = torch.logsumexp(logits_BTV, dim=-1)
-    picked_BT = logits_BTV.gather(-1, batch.targets_BT.unsqueeze(-1)).squeeze(-1)
-    logprobs_BT = picked_BT - log_z_BT
-    entropy_BT = None
-    if with_entropy:
-        with torch.no_grad():
-            probs_BTV = torch.softmax(logits_BTV.detach(), dim=-1)
-            entropy_BT = log_z_BT.detach() - (probs_BTV * logits_BTV.detach()).sum(-1)
-    return logprobs_BT, entropy_BT
+    # Over vocabulary chunks: no fp32 copy of the logits (rl_async/train/logits.py).
+    return chunked_logprobs(out.logits[:, :-1], batch.targets_BT, temperature,
+                            with_entropy=with_entropy)
 
 
 def unpack_rows(values_BT: Tensor, batch: PackedBatch) -> list[list[float]]:

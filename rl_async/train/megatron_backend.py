@@ -26,7 +26,7 @@ optimizer) under the test-only shims in tests/unit/megatron_cpu_shims.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -38,9 +38,9 @@ from torch import Tensor
 
 from rl_async.algo.advantages import DEFAULT_ESTIMATOR, group_advantages
 from rl_async.algo.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms, ratio_quantile
+from rl_async.train import megatron_checkpoint, megatron_export
 from rl_async.train import megatron_model as mm
-from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, pack
-from rl_async.state.trainer_state import load_state, save_state
+from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, micro_batches, pack
 from rl_async.train.megatron_load import HFCheckpoint
 from rl_async.train.torch_trainer import lr_at
 from rl_async.base.types import Group
@@ -54,6 +54,7 @@ class MegatronTrainerConfig:
     parallel: mm.MegatronParallelConfig = field(default_factory=mm.MegatronParallelConfig)
     global_batch_size: int = 8          # samples per optimizer step, over all DP ranks
     micro_batch_size: int = 1           # samples per forward/backward
+    max_tokens_per_microbatch: int | None = None  # a padded-token budget instead
     lr: float = 1e-6
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -187,8 +188,8 @@ class MegatronTrainer:
         ]
 
     def _micro_batches(self, items: list[TrainItem]) -> list[PackedBatch]:
-        mbs = self.cfg.micro_batch_size
-        return [pack(items[i:i + mbs], self.device) for i in range(0, len(items), mbs)]
+        return [pack(mb, self.device) for mb in micro_batches(
+            items, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)]
 
     def _run_schedule(self, batches: list[PackedBatch], loss_func: Any, forward_only: bool) -> list[Any]:
         """megatron's forward/backward schedule (pipelined when PP > 1) over `batches`."""
@@ -198,33 +199,36 @@ class MegatronTrainer:
             batch = next(data_iterator)
             return mm.forward_logits(model, batch.input_ids_BL), partial(loss_func, batch)
 
+        # Shapes vary per micro-batch (variable_seq_lengths: PP stages exchange them).
         seq_len = max(b.input_ids_BL.shape[1] for b in batches)
+        rows = max(b.input_ids_BL.shape[0] for b in batches)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
             num_microbatches=len(batches), seq_length=seq_len,
-            micro_batch_size=self.cfg.micro_batch_size, forward_only=forward_only,
+            micro_batch_size=rows, forward_only=forward_only,
         )
 
-    def _logprobs(self, batch: PackedBatch, output: Tensor) -> Tensor:
-        return mm.logprobs_from_logits(
-            output, batch.targets_BT, batch.start, self.cfg.temperature, self.hf_config.vocab_size
-        )
+    def _logprobs(self, batch: PackedBatch, output: Tensor,
+                  with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+        return mm.token_logprobs(output, batch.targets_BT, batch.start, self.cfg.temperature,
+                                 self.hf_config.vocab_size, with_entropy)
 
     @torch.no_grad()
     def _score_anchors(self, items: list[TrainItem]) -> None:
         """Trainer scoring: pre-update log-probs of every response token (the PPO anchor)."""
-        mbs = self.cfg.micro_batch_size
         batches = self._micro_batches(items)
 
         def loss_func(batch: PackedBatch, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
-            lp = self._logprobs(batch, output)
+            lp, _ = self._logprobs(batch, output)
             return lp.sum() * 0, {"anchor": lp.detach().float().cpu()}
 
         results = self._run_schedule(batches, loss_func, forward_only=True)
         # Only the last pipeline stage computes log-probs, and only it needs the anchors.
-        for b, (batch, res) in enumerate(zip(batches, results)):
+        first = 0
+        for batch, res in zip(batches, results):
             for row, (lo, hi) in enumerate(batch.spans):
-                items[b * mbs + row].anchor_logprobs = res["anchor"][row, lo:hi].tolist()
+                items[first + row].anchor_logprobs = res["anchor"][row, lo:hi].tolist()
+            first += len(batch.spans)
 
     def _optimizer_step(self, items: list[TrainItem], policy_version: int) -> dict[str, float]:
         from megatron.core import parallel_state
@@ -242,8 +246,9 @@ class MegatronTrainer:
         ratios: list[Tensor] = []
 
         def loss_func(batch: PackedBatch, output: Tensor) -> tuple[Tensor, dict[str, Any]]:
+            logprobs_BT, entropy_BT = self._logprobs(batch, output, cfg.compute_entropy)
             terms = policy_terms(
-                self._logprobs(batch, output), batch.anchor_BT, batch.behavior_BT,
+                logprobs_BT, batch.anchor_BT, batch.behavior_BT,
                 batch.advantages_BT, batch.mask_BT, cfg.eps_clip, cfg.eps_clip_high,
                 cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis,
             )
@@ -255,9 +260,7 @@ class MegatronTrainer:
             known = batch.mask_BT & (batch.versions_BT >= 0)
             sums["versioned_tokens"] += float(known.sum())
             sums["stale_tokens"] += float((known & (batch.versions_BT < policy_version)).sum())
-            if cfg.compute_entropy:
-                entropy_BT = mm.entropy_from_logits(output, batch.start, cfg.temperature,
-                                                    self.hf_config.vocab_size)
+            if entropy_BT is not None:
                 sums["entropy_sum"] += float(entropy_BT[batch.mask_BT].double().sum())
             loss = terms.token_loss_BT.sum() * scale
             return loss, {"loss": loss.detach()}
@@ -298,57 +301,24 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ publication, checkpoints
 
-    def named_tensors_for_publication(self) -> list[tuple[str, Tensor]]:
-        """Hugging Face-named full tensors (TP shards gathered, PP stages merged), stable order."""
-        hf = mm.export_hf_state(self.model.module, self.hf_config, self.cfg.parallel)
-        return list(hf.items())
-
-    def _rank_dir(self, directory: str | Path) -> Path:
-        return Path(directory) / f"megatron_rank{dist.get_rank():05d}"
+    def named_tensors_for_publication(self) -> Iterator[tuple[str, Tensor]]:
+        """Hugging Face-named full tensors on global rank 0, one layer at a time, on the
+        device (rl_async/train/megatron_export.py); every rank of data-parallel replica 0
+        must consume the iterator (its ranks take part in gathering), the others get none."""
+        return megatron_export.stream_hf_tensors(self.model.module, self.hf_config,
+                                                 self.cfg.parallel)
 
     def save_checkpoint(self, directory: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Per-rank model + optimizer state; restore needs the same world size and TP/PP layout."""
-        state: dict[str, Any] = {
-            "model": {k: v.detach().cpu() for k, v in mm._tensor_state(self.model.module).items()},
-            "optimizer": self.optimizer.state_dict(),
-            "step": self.step, "policy_version": self.policy_version, "extra": extra or {},
-            "layout": self._layout(),
-        }
-        if self.cfg.use_distributed_optimizer:
-            state["param_state"] = _param_state(self.optimizer)
-        return save_state(self._rank_dir(directory), state)
+        """Per-rank model, optimizer (and its parameter state), step, version, RNG states
+        (rl_async/train/megatron_checkpoint.py); restore needs the same TP/PP/DP layout."""
+        return megatron_checkpoint.save(self, directory, extra or {})
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        state = load_state(self._rank_dir(directory), map_location="cpu")
-        if state["layout"] != self._layout():
-            raise ValueError(f"checkpoint layout {state['layout']} differs from this run's {self._layout()}")
-        with torch.no_grad():
-            for name, t in mm._tensor_state(self.model.module).items():
-                t.copy_(state["model"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if "param_state" in state:
-            _load_param_state(self.optimizer, state["param_state"])
-        self.step, self.policy_version = state["step"], state["policy_version"]
-        return state["extra"]
+        return megatron_checkpoint.load(self, directory)
 
-    def _layout(self) -> dict[str, int]:
+    def layout(self) -> dict[str, int]:
         p = self.cfg.parallel
         return {"world": dist.get_world_size(), "tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size}
-
-
-def _distributed_parts(optimizer: Any) -> list[Any]:
-    """The DistributedOptimizer(s) inside megatron's (possibly chained) optimizer."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _param_state(optimizer: Any) -> list[Any]:
-    # This rank's shard of fp32 main params and Adam moments, in bucket order.
-    return [opt.get_parameter_state_dp_reshardable() for opt in _distributed_parts(optimizer)]
-
-
-def _load_param_state(optimizer: Any, states: list[Any]) -> None:
-    for opt, st in zip(_distributed_parts(optimizer), states):
-        opt.load_parameter_state_from_dp_reshardable(st)
 
 
 # ---------------------------------------------------------------------- from a run config
@@ -361,10 +331,13 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainer
     parallel = mm.MegatronParallelConfig(
         tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
         params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
-        seed=cfg.model.init_seed)
+        seed=cfg.model.init_seed, recompute=t.recompute,
+        transformer_impl=mm.resolve_transformer_impl(t.transformer_impl))
     return MegatronTrainerConfig(
         parallel=parallel, global_batch_size=global_batch_size,
-        micro_batch_size=t.micro_batch_size, lr=t.lr, weight_decay=t.weight_decay,
+        micro_batch_size=t.micro_batch_size,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch, lr=t.lr,
+        weight_decay=t.weight_decay,
         clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
         eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
         use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,

@@ -179,29 +179,44 @@ def megatron_to_hf(mc: Tensors, shape: ModelShape, emit_tied_lm_head: bool = Fal
     models omit it, and SGLang skips it).
     """
     _require(mc, ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"], "megatron")
-    v = shape.vocab_size
-    out: Tensors = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][:v]}
-    pre_attn, pre_mlp = shape.norm_names()
-    f = shape.ffn_hidden_size
+    out = embedding_to_hf(mc, shape)
     for i in range(shape.num_layers):
-        h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
-        a = h + "self_attn."
-        out[h + "input_layernorm.weight"] = mc[m + pre_attn]
-        out[h + "post_attention_layernorm.weight"] = mc[m + pre_mlp]
-        q, k, vv = split_qkv(mc[m + "self_attention.linear_qkv.weight"], shape)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, vv
-        if shape.qkv_bias:
-            qb, kb, vb = split_qkv(mc[m + "self_attention.linear_qkv.bias"], shape)
-            out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
-        out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        fc1 = mc[m + "mlp.linear_fc1.weight"]
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
-        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
-    out["model.norm.weight"] = mc["decoder.final_layernorm.weight"]
+        out.update(layer_to_hf(mc, i, shape))
+    out.update(final_to_hf(mc, shape, emit_tied_lm_head, out["model.embed_tokens.weight"]))
+    return out
+
+
+def embedding_to_hf(mc: Tensors, shape: ModelShape) -> Tensors:
+    return {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][:shape.vocab_size]}
+
+
+def layer_to_hf(mc: Tensors, i: int, shape: ModelShape) -> Tensors:
+    """Layer i's HF tensors from its megatron tensors (global layer names). gate/up are
+    views of the fused fc1: a writer that needs separate storage copies them."""
+    h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
+    a = h + "self_attn."
+    pre_attn, pre_mlp = shape.norm_names()
+    out: Tensors = {h + "input_layernorm.weight": mc[m + pre_attn],
+                    h + "post_attention_layernorm.weight": mc[m + pre_mlp]}
+    q, k, vv = split_qkv(mc[m + "self_attention.linear_qkv.weight"], shape)
+    out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, vv
+    if shape.qkv_bias:
+        qb, kb, vb = split_qkv(mc[m + "self_attention.linear_qkv.bias"], shape)
+        out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
+    out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+    fc1, f = mc[m + "mlp.linear_fc1.weight"], shape.ffn_hidden_size
+    out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
+    out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+def final_to_hf(mc: Tensors, shape: ModelShape, emit_tied_lm_head: bool = False,
+                embedding: torch.Tensor | None = None) -> Tensors:
+    out: Tensors = {"model.norm.weight": mc["decoder.final_layernorm.weight"]}
     if not shape.tied_embeddings:
-        out["lm_head.weight"] = mc["output_layer.weight"][:v]
+        out["lm_head.weight"] = mc["output_layer.weight"][:shape.vocab_size]
     elif emit_tied_lm_head:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        out["lm_head.weight"] = embedding
     return out
 
 

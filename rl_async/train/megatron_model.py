@@ -23,13 +23,30 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from rl_async.train import logits as logits_lib
 from rl_async.train import megatron_convert as conv
 
 IMPLS = ("local", "transformer_engine")
+RECOMPUTE = ("none", "selective", "full")
 
 
 def megatron_available() -> bool:
     return importlib.util.find_spec("megatron.core") is not None
+
+
+def resolve_transformer_impl(requested: str) -> str:
+    """train.transformer_impl: "auto" is Transformer Engine when it is importable and a GPU
+    is there, else megatron's local attention; an explicit "transformer_engine" without TE
+    is an error naming the key (never a silent fallback to the memory-hungry local path)."""
+    have_te = (importlib.util.find_spec("transformer_engine") is not None
+               and torch.cuda.is_available())
+    if requested == "auto":
+        return "transformer_engine" if have_te else "local"
+    if requested == "transformer_engine" and not have_te:
+        raise RuntimeError("train.transformer_impl = 'transformer_engine' needs Transformer "
+                           "Engine on a GPU (pip install transformer_engine[pytorch]); or set "
+                           "'local' (its s x s attention scores: see rl-async plan's memory)")
+    return requested
 
 
 @dataclass
@@ -43,6 +60,7 @@ class MegatronParallelConfig:
     params_dtype: str = "float32"       # "bfloat16" on GPU
     vocab_divisible_by: int = 128       # megatron pads the vocab to a multiple of this × TP
     seed: int = 0
+    recompute: str = "none"             # activation recompute: none | selective | full
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_divisible_by"):
@@ -50,6 +68,8 @@ class MegatronParallelConfig:
                 raise ValueError(f"megatron.{key}={getattr(self, key)} must be >= 1")
         if self.transformer_impl not in IMPLS:
             raise ValueError(f"megatron.transformer_impl={self.transformer_impl!r}: use one of {IMPLS}")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"train.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"megatron.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")
 
@@ -102,7 +122,15 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf_config.hidden_act!r}: only SwiGLU ('silu') models are supported")
     on_gpu = torch.cuda.is_available()
+    recompute: dict[str, Any] = {}
+    if cfg.recompute == "selective":  # core attention: its s x s scores are never kept
+        recompute = {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    elif cfg.recompute == "full":  # every layer from its input, one layer at a time
+        recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
+                     "recompute_num_layers": 1}
     return TransformerConfig(
+        **recompute,
+        transformer_impl=cfg.transformer_impl,  # forward_logits reads it (the mask)
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
@@ -237,85 +265,28 @@ def forward_logits(model: Any, input_ids_BL: Tensor) -> Tensor:
     """[B, L, V/TP] logits (last stage) or hidden states (other stages); right padding only.
 
     Right padding needs no padding mask under causal attention: real tokens never attend to
-    the padding after them.
+    the padding after them. Transformer Engine's layers apply the causal mask themselves
+    (attn_mask_type=causal in its layer spec) and take no mask tensor.
     """
     B, L = input_ids_BL.shape
     pos_BL = torch.arange(L, device=input_ids_BL.device).unsqueeze(0).expand(B, L)
-    return model(input_ids_BL, pos_BL, causal_mask(L, input_ids_BL.device))
+    te = getattr(model, "config", None) is not None and getattr(
+        model.config, "transformer_impl", "local") == "transformer_engine"
+    return model(input_ids_BL, pos_BL, None if te else causal_mask(L, input_ids_BL.device))
 
 
-def logprobs_from_logits(logits_BLV: Tensor, targets_BT: Tensor, start: int, temperature: float,
-                         vocab_size: int) -> Tensor:
-    """log_softmax(logits / T) of each target over the full vocabulary, TP-aware, [B, T] fp32.
-
-    Positions `start .. L-2` predict `targets_BT`. Padded vocab columns are excluded, so the
-    distribution matches the Hugging Face model's (and the engine's).
-    """
-    from megatron.core import parallel_state, tensor_parallel
-
-    L = logits_BLV.shape[1]
-    logits = logits_BLV[:, start:L - 1].float() / temperature
-    v_local = logits.shape[-1]
-    first = parallel_state.get_tensor_model_parallel_rank() * v_local
-    if first + v_local > vocab_size:
-        cols = torch.arange(first, first + v_local, device=logits.device)
-        logits = logits.masked_fill(cols >= vocab_size, float("-inf"))
-    # megatron's cross entropy takes [T, B, V/TP] and returns −log p, reduced over TP.
-    nll_TB = tensor_parallel.vocab_parallel_cross_entropy(
-        logits.transpose(0, 1).contiguous(), targets_BT.transpose(0, 1).contiguous()
-    )
-    return -nll_TB.transpose(0, 1)
-
-
-@torch.no_grad()
-def entropy_from_logits(logits_BLV: Tensor, start: int, temperature: float, vocab_size: int) -> Tensor:
-    """Entropy of softmax(logits / T) at positions `start .. L-2`, [B, T] fp32, detached.
-
-    The vocabulary is split over TP ranks, so the max, the partition sum and Σ e·(z − max)
-    are all-reduced over the TP group: H = log Z − Σ e·(z − m) / Z with e = exp(z − m).
-    Padded vocab columns are excluded (as in `logprobs_from_logits`).
-    """
+def token_logprobs(logits_BLV: Tensor, targets_BT: Tensor, start: int, temperature: float,
+                   vocab_size: int, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log_softmax(logits / T) of each target over the full vocabulary, and the entropy of
+    that distribution (detached) when asked: [B, T] fp32, TP-aware, over vocabulary chunks
+    (rl_async/train/logits.py: no fp32 copy of the logits). Positions `start .. L-2`
+    predict `targets_BT`; padded vocab columns are excluded, so the distribution matches the
+    Hugging Face model's (and the engine's)."""
     from megatron.core import parallel_state
 
-    L = logits_BLV.shape[1]
-    z = logits_BLV[:, start:L - 1].detach().float() / temperature
-    v_local = z.shape[-1]
-    first = parallel_state.get_tensor_model_parallel_rank() * v_local
-    real = torch.arange(first, first + v_local, device=z.device) < vocab_size
-    z = z.masked_fill(~real, float("-inf"))
-    group = parallel_state.get_tensor_model_parallel_group()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    m = z.max(dim=-1).values
-    if tp > 1:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    shifted = (z - m.unsqueeze(-1)).masked_fill(~real, 0.0)
-    e = torch.exp(shifted).masked_fill(~real, 0.0)
-    sums = torch.stack([e.sum(-1), (e * shifted).sum(-1)])
-    if tp > 1:
-        dist.all_reduce(sums, group=group)
-    return torch.log(sums[0]) - sums[1] / sums[0]
-
-
-def export_hf_state(model: Any, hf_config: Any, cfg: MegatronParallelConfig) -> dict[str, Tensor]:
-    """Full Hugging Face tensors on every rank: all-gather over TP, then over PP stages."""
-    from megatron.core import parallel_state
-
-    shape = model_shape(hf_config, cfg)
-    local = {k: v.detach() for k, v in _tensor_state(model).items()}
-    tp = cfg.tensor_parallel_size
-    if tp > 1:
-        group = parallel_state.get_tensor_model_parallel_group()
-        per_rank: list[dict[str, Tensor]] = [{} for _ in range(tp)]
-        for name, t in local.items():
-            parts = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(parts, t.contiguous(), group=group)
-            for r, p in enumerate(parts):
-                per_rank[r][name] = p
-        local = conv.unshard_tp(per_rank)
-    if cfg.pipeline_parallel_size > 1:
-        # Stages hold different tensors; objects travel via CPU pickling (export is rare).
-        stages: list[Any] = [None] * cfg.pipeline_parallel_size
-        cpu_local = {k: v.cpu() for k, v in local.items()}
-        dist.all_gather_object(stages, cpu_local, group=parallel_state.get_pipeline_model_parallel_group())
-        local = conv.merge_pp(stages, shape)
-    return conv.megatron_to_hf(local, shape)
+    L, v_local = logits_BLV.shape[1], logits_BLV.shape[-1]
+    return logits_lib.token_logprobs(
+        logits_BLV[:, start:L - 1], targets_BT, temperature, vocab_size=vocab_size,
+        group=parallel_state.get_tensor_model_parallel_group(),
+        first_column=parallel_state.get_tensor_model_parallel_rank() * v_local,
+        with_entropy=with_entropy)

@@ -43,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 from rl_async.algo import loss as loss_lib
 from rl_async.algo.advantages import get_advantage_fn, group_advantages
 from rl_async.state import trainer_state as ckpt
-from rl_async.train.batching import TrainItem, item_from_sample, pack, token_logprobs, unpack_rows
+from rl_async.train.batching import (TrainItem, item_from_sample, micro_batches, pack,
+                                     token_logprobs, unpack_rows)
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.base.types import Group
@@ -75,6 +76,8 @@ class TorchTrainerConfig:
     # Batching: samples per optimizer step over ALL ranks, samples per forward on one rank.
     global_batch_size: int = 8
     micro_batch_size: int = 4
+    # Micro-batches by a padded-token budget instead of micro_batch_size rows (None: rows).
+    max_tokens_per_microbatch: int | None = None
     # Loss (SPEC §8).
     eps_clip: float = 0.2
     eps_clip_high: float = 0.2
@@ -126,10 +129,6 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def _chunks(seq: Sequence, size: int) -> list[Sequence]:
-    return [seq[i:i + size] for i in range(0, len(seq), size)]
-
-
 def lr_at(config: TorchTrainerConfig, step: int) -> float:
     """The learning rate of optimizer step `step` (0-based): a pure function of the step, so
     a restored checkpoint continues the schedule exactly."""
@@ -179,7 +178,8 @@ class TorchTrainer:
     @torch.no_grad()
     def _score_items(self, items: Sequence[TrainItem]) -> list[list[float]]:
         out: list[list[float]] = []
-        for chunk in _chunks(items, self.config.micro_batch_size):
+        for chunk in micro_batches(items, self.config.micro_batch_size,
+                                   self.config.max_tokens_per_microbatch):
             batch = pack(chunk, self.device, self.config.pad_token_id)
             with self._forward_ctx():
                 logprobs_BT, _ = token_logprobs(self.model, batch, self.config.temperature)
@@ -238,7 +238,7 @@ class TorchTrainer:
         t0 = time.perf_counter()
         items = self._prepare_on_all_ranks(groups)
         scoring_s = time.perf_counter() - t0
-        steps = _chunks(items, self.per_rank_batch)
+        steps = [items[i:i + self.per_rank_batch] for i in range(0, len(items), self.per_rank_batch)]
         check_same_on_all_ranks("optimizer steps per collection", len(steps),
                                 self.world_size, self.device)
         self.policy_version = policy_version
@@ -297,7 +297,7 @@ class TorchTrainer:
         # average into the exact token mean over the whole step on every rank.
         scale = self.world_size / max(global_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        micro = _chunks(items, cfg.micro_batch_size)
+        micro = micro_batches(items, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
         sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         ratios = []

@@ -63,9 +63,17 @@ def test_launch_generate_update_shutdown(tmp_path):
         try:
             first = await engine.generate(prompt, greedy)
             again = await engine.generate(prompt, greedy)
-            assert first.output_ids == again.output_ids and len(first.output_ids) == 8
-            assert first.finish_reason == "length" and first.token_versions == [0] * 8
+            assert first.output_ids == again.output_ids
+            # Rollouts stop: at the model's EOS (2) or at the length, never past an EOS.
+            assert (first.finish_reason == "stop") == (first.output_ids[-1] == 2)
+            assert 2 not in first.output_ids[:-1] and len(first.output_ids) <= 8
+            assert first.token_versions == [0] * len(first.output_ids)
             assert all(lp <= 1e-6 for lp in first.output_logprobs)
+            # ... and at a stop id: SGLang checks stop_token_ids only with ignore_eos false.
+            stop = first.output_ids[0]
+            stopped = await engine.generate(prompt, SamplingParams(
+                max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)))
+            assert stopped.output_ids == [stop] and stopped.finish_reason == "stop"
             sampled = await engine.generate(prompt, SamplingParams(max_new_tokens=4, seed=3))
             assert len(sampled.output_logprobs) == 4
 
@@ -85,7 +93,8 @@ def test_launch_generate_update_shutdown(tmp_path):
             await engine.continue_generation()
             assert await engine.get_weight_version() == 1
             flat = await engine.generate(prompt, greedy)
-            assert flat.output_ids == [0] * 8 and flat.token_versions == [1] * 8
+            assert flat.output_ids == [0] * 8 and flat.finish_reason == "length"
+            assert flat.token_versions == [1] * 8
             assert all(abs(lp + math.log(VOCAB)) < 1e-2 for lp in flat.output_logprobs)
 
             # Colocated update from tensors: restore the original head (CUDA IPC handle).
@@ -93,7 +102,7 @@ def test_launch_generate_update_shutdown(tmp_path):
             await engine.update_weights_from_tensor([("lm_head.weight", head)], weight_version=2)
             restored = await engine.generate(prompt, greedy)
             assert restored.output_ids == first.output_ids
-            assert restored.token_versions == [2] * 8
+            assert restored.token_versions == [2] * len(first.output_ids)
             load = await engine.refresh_load()
             assert load.max_running_requests == 8 and load.running == 0
         finally:

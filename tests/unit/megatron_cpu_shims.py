@@ -5,11 +5,14 @@ fork()` around dropout, `model_parallel_cuda_manual_seed`), `torch.cuda.current_
 (rotary frequencies, the global memory buffer, DDP buffers), `torch.cuda.synchronize()`
 (pipeline send/receive), and in the optimizer: scalar
 tensors created with `device='cuda'` (also in the schedules) and an assertion that gradients are
-`torch.cuda.FloatTensor` in `clip_grad_by_total_norm_fp32`. These shims replace exactly
+`torch.cuda.FloatTensor` in `clip_grad_by_total_norm_fp32`, and the CUDA RNG state that
+activation recompute saves around each checkpointed piece. These shims replace exactly
 those with CPU equivalents (the optimizer, grad-clip and schedule modules see a `torch` whose tensor factories map
 'cuda' to 'cpu'; the clip is the same arithmetic without the assertion). The distributed
-optimizer stays CUDA-only (it type-checks parameters), so CPU tests use
-`use_distributed_optimizer=False`. Never product code.
+optimizer checks `param.type() == 'torch.cuda.FloatTensor'` when it builds its shards
+(distrib_optimizer.py `_build_model_and_main_param_groups`): a parameter's `type()` here
+answers with the CUDA name of its dtype, so it runs on CPU too (the same buckets, shards and
+checkpoint format as on a GPU). Never product code.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class CpuRngTracker:
 
     def is_initialized(self) -> bool:
         return True
+
+    def get_states(self) -> dict:  # one stream on CPU: nothing beyond the generator's state
+        return {}
+
+    def set_states(self, states: dict) -> None:
+        pass
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
@@ -72,6 +81,17 @@ def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled
                 grad.detach().mul_(coeff)
 
 
+_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_type_name(self, *args, **kwargs):
+    """`Parameter.type()` with no argument: the CUDA tensor type's name of its dtype."""
+    name = _TENSOR_TYPE(self, *args, **kwargs)
+    if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+        return name
+    return "torch.cuda." + name.removeprefix("torch.")
+
+
 def apply_cpu_shims(setattr_=setattr) -> None:
     """Install the shims; `setattr_` is monkeypatch.setattr in a fixture (undone after the
     test) or plain setattr in a spawned worker process (which exits afterwards)."""
@@ -93,6 +113,11 @@ def apply_cpu_shims(setattr_=setattr) -> None:
     for module in (moptimizer, clip_grads, schedules, mutils):
         setattr_(module, "torch", _CpuTorch())
     setattr_(moptimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu)
+    setattr_(torch.nn.Parameter, "type", _cuda_type_name)  # the distributed optimizer's check
+    # Activation recompute saves and restores the CUDA RNG state around each checkpointed
+    # piece (tensor_parallel/random.py `_get_all_rng_states`): the CPU generator's here.
+    setattr_(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    setattr_(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
 
 
 @pytest.fixture

@@ -58,7 +58,7 @@ def test_logits_and_logprobs_match_hf(megatron_cpu, kind, tied):
     assert out.shape == (2, 9, 128)
     torch.testing.assert_close(out[..., :96], ref, atol=2e-5, rtol=1e-4)
     start, temperature = 3, 0.7
-    lp = mm.logprobs_from_logits(out, ids[:, start + 1:], start, temperature, TINY["vocab_size"])
+    lp, _ = mm.token_logprobs(out, ids[:, start + 1:], start, temperature, TINY["vocab_size"])
     ref_lp = torch.log_softmax(ref[:, start:-1] / temperature, -1).gather(-1, ids[:, start + 1:, None])[..., 0]
     torch.testing.assert_close(lp, ref_lp, atol=2e-5, rtol=1e-4)
 
@@ -66,7 +66,9 @@ def test_logits_and_logprobs_match_hf(megatron_cpu, kind, tied):
 def test_export_returns_the_loaded_hf_tensors(megatron_cpu):
     hf_model = _hf("qwen2", False)
     model, cfg = _build(hf_model)
-    exported = mm.export_hf_state(model, hf_model.config, cfg)
+    from rl_async.train.megatron_export import stream_hf_tensors
+
+    exported = dict(stream_hf_tensors(model, hf_model.config, cfg))
     ref = _state(hf_model)
     assert exported.keys() == ref.keys()
     assert all(torch.equal(exported[k], ref[k]) for k in ref)
@@ -79,7 +81,7 @@ def test_policy_loss_backward_gives_finite_gradients(megatron_cpu):
     ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(4))
     start = 2
     targets = ids[:, start + 1:]
-    lp = mm.logprobs_from_logits(mm.forward_logits(model, ids), targets, start, 1.0, TINY["vocab_size"])
+    lp, _ = mm.token_logprobs(mm.forward_logits(model, ids), targets, start, 1.0, TINY["vocab_size"])
     anchor = lp.detach() + 0.05 * torch.randn_like(lp)
     behavior = anchor - 0.9  # exp(a − b) > tis_clip: the TIS cap is engaged
     mask = torch.ones_like(lp, dtype=torch.bool)

@@ -137,7 +137,18 @@ def _worker(rank: int, world: int, port: int, ckpt_dir: str, out_dir: str) -> No
     for version, seed in ((1, 11), (2, 12)):
         result["metrics"].append(trainer.train_collection(groups(seed, version), version))
     result["trained"] = dict(trainer.named_tensors_for_publication())
-    if rank != 0:  # the export is gathered on every rank; rank 0's is what gets published
+    # The HF export streams the same tensors (rank 0 writes; the others take part): gate and
+    # up are views of one fc1, which safetensors refuses unless the export copies them.
+    from rl_async.state.hf_export import export_hf
+
+    named = trainer.named_tensors_for_publication()
+    if rank == 0:
+        export_hf(named, Path(out_dir) / "hf", hf_config=cfg.model.hf_config)
+    else:
+        for _ in named:
+            pass
+    if rank != 0:  # gathered on global rank 0 only: the other ranks yield nothing
+        assert not result["loaded"] and not result["trained"]
         result.pop("loaded"), result.pop("trained")
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
@@ -170,3 +181,7 @@ def test_tp2_pp2_metrics_and_export_match_the_torch_trainer(tmp_path):
     assert all(torch.equal(loaded[k], initial[k]) for k in initial)
     for name, p in ref.named_tensors_for_publication():
         torch.testing.assert_close(trained[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)

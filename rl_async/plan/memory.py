@@ -1,0 +1,296 @@
+"""Memory per GPU, planned from the model's config alone, before a GPU is allocated.
+
+`rl-async plan` shows it (JSON: `runtime.memory`); `validate` warns past 90% of
+`cluster.gpu_memory_gb` (TRAINER_MEMORY, ENGINE_MEMORY) and errs past 100%. Needs no GPU,
+no megatron-core, no Transformer Engine. Every number is GiB. The formulas, their sources
+and how they compare with measurements are in docs/memory.md; in short, per trainer GPU:
+
+    static       = weights + gradients + optimizer state            (bytes per parameter)
+    activations  = per layer per token x tokens per micro-batch x layers held at once
+    logits       = the last stage's [tokens, vocab / TP] logits and their gradient
+    publication  = one bucket on trainer rank 0 while a publication sends (between steps)
+    runtime      = CUDA context, NCCL buffers, allocator slack (a fixed allowance)
+
+and per engine GPU (SGLang): the static pool (`sglang.mem_fraction_static` of the GPU: the
+weights, then the KV cache in the rest of it) plus an allowance for activations and CUDA
+graphs outside it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the GPU checks use this module on machines without pydantic
+    from rl_async.plan.capacity import CapacityPlan, Warning_
+    from rl_async.plan.config import RunConfig
+
+GiB = 1024 ** 3
+ASSUMED_PROMPT_TOKENS = 512     # when rollout.max_prompt_len is unset
+RUNTIME_GB = 3.0                # CUDA context ~0.5-1, NCCL communicators ~1, allocator slack
+ENGINE_OUTSIDE_POOL_GB = 2.5    # SGLang: activations and CUDA graphs outside the static pool
+LOGITS_CHUNK = 8192             # rl_async/train/logits.py DEFAULT_CHUNK
+
+
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
+
+
+@dataclass(frozen=True)
+class Dims:
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, c: dict[str, Any]) -> Dims:
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        return cls(vocab=int(c["vocab_size"]), hidden=hidden,
+                   layers=int(c["num_hidden_layers"]), heads=heads,
+                   kv_heads=int(c.get("num_key_value_heads") or heads),
+                   head_dim=int(c.get("head_dim") or hidden // heads),
+                   ffn=int(c["intermediate_size"]), tied=bool(c.get("tie_word_embeddings")),
+                   qkv_bias=c.get("model_type") == "qwen2")
+
+    @property
+    def layer_params(self) -> int:
+        h, d = self.hidden, self.head_dim
+        qkv = h * (self.heads + 2 * self.kv_heads) * d
+        bias = (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
+        return qkv + bias + self.heads * d * h + 3 * h * self.ffn + 2 * h
+
+    @property
+    def params(self) -> int:
+        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params
+                + self.hidden)
+
+    def activation_bytes_per_token(self, tp: int, elem: int) -> float:
+        """One layer's saved activations per token, sharded over TP (linear terms only):
+        input and post-attention residuals and norm outputs (4h), q/k/v, the rotated q/k and
+        the attention context ((a + 2g) + (a + g) + a) d / t, and SwiGLU's fc1 output, its
+        product (2f + f) / t."""
+        d, a, g = self.head_dim, self.heads, self.kv_heads
+        elems = 4 * self.hidden + ((a + 2 * g) + (a + g) + a) * d / tp + 3 * self.ffn / tp
+        return elems * elem
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """The run settings the estimates read (`inputs(cfg)` takes them from a run file)."""
+
+    backend: str                       # train.backend
+    trainer_workers: int
+    trainer_gpus: int
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    transformer_impl: str = "auto"
+    recompute: str = "none"
+    micro_batch_size: int = 1
+    max_tokens_per_microbatch: int | None = None
+    prompt_tokens: int = ASSUMED_PROMPT_TOKENS
+    max_response_len: int = 1024
+    half_precision: bool = True        # model.dtype bf16 / fp16
+    bucket_bytes: int = 256 * 1024 * 1024
+
+
+def inputs(cfg: RunConfig) -> MemoryInputs:
+    t, c = cfg.train, cfg.cluster
+    return MemoryInputs(
+        backend=t.backend, trainer_workers=c.trainer_workers, trainer_gpus=c.trainer_gpus,
+        tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
+        transformer_impl=t.transformer_impl, recompute=t.recompute,
+        micro_batch_size=t.micro_batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        prompt_tokens=_prompt_tokens(cfg), max_response_len=cfg.rollout.max_response_len,
+        half_precision=cfg.model.dtype in ("bfloat16", "float16"),
+        bucket_bytes=cfg.publication.bucket_bytes)
+
+
+def architecture(cfg: RunConfig) -> tuple[dict | None, str]:
+    """(the model's config fields, where they came from) or (None, why not)."""
+    m = cfg.model
+    if m.hf_config is not None:
+        return m.hf_config, "model.hf_config"
+    path = Path(m.path) / "config.json"
+    if path.is_file():
+        return json.loads(path.read_text()), f"{path}"
+    if m.architecture is not None:
+        return m.architecture, "model.architecture"
+    return None, (f"{path} is not readable here and model.architecture is not set: no memory "
+                  f"plan (set model.architecture to the checkpoint's config.json fields)")
+
+
+@dataclass
+class MemoryPlan:
+    trainer_gb_per_gpu: float | None
+    engine_gb_per_gpu: float | None
+    gpu_memory_gb: float
+    breakdown: dict[str, Any]
+
+    def to_dict(self) -> dict:
+        return {"trainer_gb_per_gpu": self.trainer_gb_per_gpu,
+                "engine_gb_per_gpu": self.engine_gb_per_gpu,
+                "gpu_memory_gb": self.gpu_memory_gb, "breakdown": self.breakdown}
+
+
+def _prompt_tokens(cfg: RunConfig) -> int:
+    if cfg.rollout.max_prompt_len is not None:
+        return cfg.rollout.max_prompt_len
+    if cfg.task.name == "successor":  # the built-in task: its digits and a separator
+        return cfg.task.prompt_digits + 1
+    return ASSUMED_PROMPT_TOKENS
+
+
+def _tokens_per_micro_batch(m: MemoryInputs) -> tuple[int, int]:
+    """(tokens in the largest micro-batch, longest sequence)."""
+    seq = m.prompt_tokens + m.max_response_len
+    if m.max_tokens_per_microbatch is not None:  # one over-long sequence still makes one
+        return max(m.max_tokens_per_microbatch, seq), seq
+    return m.micro_batch_size * seq, seq
+
+
+def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
+    """Bytes per trainer GPU, by part, for the run's backend and layout."""
+    megatron = m.backend == "megatron"
+    tp, pp = (m.tensor_parallel, m.pipeline_parallel) if megatron else (1, 1)
+    dp = max(1, m.trainer_workers // (tp * pp))
+    layers = dims.layers // pp
+    stage_params = (layers * dims.layer_params
+                    + dims.vocab * dims.hidden * (1 if pp > 1 or dims.tied else 2)) / tp
+    half = m.half_precision
+    tokens, seq = _tokens_per_micro_batch(m)
+    out: dict[str, float | str] = {"parameters": dims.params, "tokens_per_micro_batch": tokens}
+    if megatron:
+        impl = m.transformer_impl if m.transformer_impl != "auto" else (
+            "transformer_engine" if m.trainer_gpus else "local")
+        out["weights"] = stage_params * (2 if half else 4)
+        out["gradients"] = stage_params * 4                       # grad_reduce_in_fp32
+        out["optimizer"] = stage_params * ((4 if half else 0) + 8) / dp  # distributed: sharded
+        elem = 2 if half else 4
+        per_token = dims.activation_bytes_per_token(tp, elem)
+        in_flight = pp  # 1F1B: the first stage holds up to PP micro-batches' activations
+        if m.recompute == "full":
+            per_token = dims.hidden * elem + per_token / max(layers, 1)  # inputs + one layer
+        scores = 0.0
+        if impl == "local" and m.recompute == "none":
+            # megatron's unfused attention keeps the fp32 softmax and the probabilities:
+            # (a / t) x tokens x longest sequence per layer
+            scores = dims.heads / tp * tokens * seq * (4 + elem)
+        out["activations"] = (per_token * tokens + scores) * layers * in_flight
+        out["attention"] = f"{impl}, recompute {m.recompute}"
+    else:  # torch: fp32 master weights, gradients, AdamW moments and DDP's gradient buckets
+        out["weights"] = dims.params * 4
+        out["gradients"] = dims.params * 4
+        out["optimizer"] = dims.params * 8
+        out["ddp_buckets"] = dims.params * 4 if m.trainer_workers > 1 else 0.0
+        elem = 2 if m.trainer_gpus else 4                          # bf16 autocast on GPU
+        out["activations"] = dims.activation_bytes_per_token(1, elem) * tokens * dims.layers
+        out["attention"] = "sdpa (no s x s matrix kept on GPU)"
+    out["logits"] = tokens * dims.vocab / tp * 4 + tokens * min(LOGITS_CHUNK, dims.vocab) * 12
+    out["publication"] = float(m.bucket_bytes)
+    out["runtime"] = RUNTIME_GB * GiB if m.trainer_gpus else 0.0
+    return {k: float(v) if isinstance(v, (int, float)) and k not in _COUNTS else v
+            for k, v in out.items()}
+
+
+def engine_memory(cfg: RunConfig, dims: Dims, plan: CapacityPlan) -> dict[str, float | str]:
+    """GiB per engine GPU (SGLang): the static pool and what its KV cache holds."""
+    tp = cfg.cluster.gpus_per_engine
+    gpu = cfg.cluster.gpu_memory_gb * GiB
+    pool = cfg.sglang.mem_fraction_static * gpu
+    weights = dims.params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4) / tp
+    kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * 2 / tp
+    seq = _prompt_tokens(cfg) + cfg.rollout.max_response_len
+    return {"static_pool": pool, "weights": float(weights), "kv_cache": max(pool - weights, 0.0),
+            "kv_tokens": int(max(pool - weights, 0.0) // kv_per_token),
+            "kv_tokens_for_all_running": plan.max_running_requests * seq,
+            "outside_pool": ENGINE_OUTSIDE_POOL_GB * GiB}
+
+
+_COUNTS = ("parameters", "tokens_per_micro_batch", "kv_tokens", "kv_tokens_for_all_running")
+
+
+def _bytes(parts: dict[str, Any]) -> float:
+    return sum(v for k, v in parts.items() if isinstance(v, float) and k not in _COUNTS)
+
+
+def _gib(parts: dict[str, Any]) -> dict[str, Any]:
+    return {k: (round(v / GiB, 3) if isinstance(v, float) and k not in _COUNTS else v)
+            for k, v in parts.items()}
+
+
+def plan_memory(cfg: RunConfig, plan: CapacityPlan
+                ) -> tuple[MemoryPlan | None, str, list[Warning_], list[str]]:
+    """(plan or None, the architecture's source or why none, warnings, errors)."""
+    arch, source = architecture(cfg)
+    if arch is None:
+        return None, source, [], []
+    missing = [k for k in REQUIRED if k not in arch]
+    if missing:
+        return None, f"{source} lacks {missing}: no memory plan", [], []
+    dims = Dims.from_config(arch)
+    gpu = cfg.cluster.gpu_memory_gb
+    warnings: list[Warning_] = []
+    errors: list[str] = []
+    trainer_gb = engine_gb = None
+    breakdown: dict[str, Any] = {"source": source}
+    if cfg.train.backend != "synthetic":
+        parts = trainer_memory(inputs(cfg), dims)
+        trainer_gb = round(_bytes(parts) / GiB, 2)
+        breakdown["trainer"] = _gib(parts)
+        if cfg.cluster.trainer_gpus:
+            _check("TRAINER_MEMORY", "trainer", trainer_gb, gpu, parts, warnings, errors)
+    if cfg.engine.backend == "sglang" and cfg.cluster.inference_gpus:
+        parts = engine_memory(cfg, dims, plan)
+        engine_gb = round((parts["static_pool"] + parts["outside_pool"]) / GiB, 2)
+        breakdown["engine"] = _gib(parts)
+        _engine_checks(cfg, parts, engine_gb, gpu, warnings, errors)
+    return MemoryPlan(trainer_gb, engine_gb, gpu, breakdown), source, warnings, errors
+
+
+def _check(code: str, who: str, need: float, gpu: float, parts: dict, warnings: list,
+           errors: list) -> None:
+    from rl_async.plan.capacity import Warning_
+
+    top = sorted(((v, k) for k, v in parts.items() if isinstance(v, float)
+                  and k not in _COUNTS), reverse=True)[:3]
+    biggest = ", ".join(f"{k} {v / GiB:.1f}" for v, k in top)
+    msg = (f"the {who} needs ~{need:.1f} GiB per GPU of cluster.gpu_memory_gb = {gpu:g} "
+           f"(largest: {biggest} GiB)")
+    if need > gpu:
+        errors.append(f"{msg}: it does not fit; lower train.max_tokens_per_microbatch or "
+                      f"train.micro_batch_size, set train.recompute = 'selective', "
+                      f"train.transformer_impl = 'transformer_engine', or raise "
+                      f"train.tensor_parallel")
+    elif need > 0.9 * gpu:
+        warnings.append(Warning_(code, f"{msg}: over 90% of the GPU, little room for "
+                                       f"fragmentation"))
+
+
+def _engine_checks(cfg: RunConfig, parts: dict, engine_gb: float, gpu: float,
+                   warnings: list, errors: list) -> None:
+    from rl_async.plan.capacity import Warning_
+
+    if parts["weights"] >= parts["static_pool"]:
+        errors.append(f"the engine's weights ({parts['weights'] / GiB:.1f} GiB per GPU) do not "
+                      f"fit sglang.mem_fraction_static = {cfg.sglang.mem_fraction_static} of "
+                      f"cluster.gpu_memory_gb = {gpu:g}: raise cluster.gpus_per_engine")
+    elif engine_gb > gpu:
+        errors.append(f"the engine needs ~{engine_gb:.1f} GiB per GPU of "
+                      f"cluster.gpu_memory_gb = {gpu:g}: lower sglang.mem_fraction_static")
+    elif parts["kv_tokens"] < parts["kv_tokens_for_all_running"]:
+        warnings.append(Warning_("ENGINE_MEMORY", (
+            f"the KV cache holds ~{parts['kv_tokens']:,} tokens per engine, fewer than "
+            f"sglang.max_running_requests x (prompt + rollout.max_response_len) = "
+            f"{parts['kv_tokens_for_all_running']:,}: long responses will queue or be "
+            f"retracted; raise sglang.mem_fraction_static or cluster.gpus_per_engine")))
