@@ -31,6 +31,7 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             device="cuda" if on_gpu else "cpu", dtype=cfg.model.dtype,
             max_running_requests=cfg.sglang.max_running_requests,
             max_total_tokens=cfg.engine.max_total_tokens,
+            max_prompt_len=cfg.rollout.max_prompt_len,
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
             # a resumed run continues with fresh randomness, not the start's stream again
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,

@@ -182,11 +182,14 @@ def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
         if m.recompute == "full":
             per_token = dims.hidden * elem + per_token / max(layers, 1)  # inputs + one layer
         scores = 0.0
-        if impl == "local" and m.recompute == "none":
+        one_layer_scores = dims.heads / tp * tokens * seq * (4 + elem) if impl == "local" else 0.0
+        if m.recompute == "none":
             # megatron's unfused attention keeps the fp32 softmax and the probabilities:
-            # (a / t) x tokens x longest sequence per layer
-            scores = dims.heads / tp * tokens * seq * (4 + elem)
+            # (a / t) x tokens x longest sequence, in every layer
+            scores = one_layer_scores
         out["activations"] = (per_token * tokens + scores) * layers * in_flight
+        if m.recompute != "none":  # one layer's recomputed pieces exist during its backward
+            out["recompute_transient"] = one_layer_scores + per_token * tokens
         out["attention"] = f"{impl}, recompute {m.recompute}"
     else:  # torch: fp32 master weights, gradients, AdamW moments and DDP's gradient buckets
         out["weights"] = dims.params * 4
@@ -195,6 +198,8 @@ def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
         out["ddp_buckets"] = dims.params * 4 if m.trainer_workers > 1 else 0.0
         elem = 2 if m.trainer_gpus else 4                          # bf16 autocast on GPU
         out["activations"] = dims.activation_bytes_per_token(1, elem) * tokens * dims.layers
+        # autocast keeps a bf16 copy of every weight it casts, for the backward
+        out["autocast_weights"] = dims.params * 2 if m.trainer_gpus else 0.0
         out["attention"] = "sdpa (no s x s matrix kept on GPU)"
     out["logits"] = tokens * dims.vocab / tp * 4 + tokens * min(LOGITS_CHUNK, dims.vocab) * 12
     out["publication"] = float(m.bucket_bytes)

@@ -105,7 +105,11 @@ class PublicationSender:
         def pack() -> None:
             nbytes = sum(t.numel() * t.element_size() for _, t in pending)
             out = self._buffer(nbytes, host, pin)
-            _, names, dtypes, shapes = flatten_bucket(pending, out=out)
+            if pending[0][1].device == out.device:
+                _, names, dtypes, shapes = flatten_bucket(pending, out=out)
+            else:  # device weights: packed on the device (one bucket), one copy to the host
+                flat, names, dtypes, shapes = flatten_bucket(pending)
+                out.copy_(flat)
             buckets.append(out)
             metas.append((names, dtypes, shapes, nbytes))
             pending.clear()

@@ -1,26 +1,25 @@
-"""Checkpoints of the megatron-core trainer: one file per rank (model shard, optimizer,
-the distributed optimizer's parameter state, step, policy version, RNG states).
+"""Checkpoints of the megatron-core trainer: one file per rank (model shard, the distributed
+optimizer's parameter state, step, policy version, RNG states).
 
     save: rank r writes <dir>/megatron_rank<r>/trainer_state.pt (atomic, trainer_state.py)
     load: the same layout (world size, TP, PP) reads its own file back
 
-The distributed optimizer's parameter state (fp32 main params and Adam moments, this rank's
-shard) goes through `get_parameter_state_dp_reshardable` / `load_parameter_state_from_dp_
-reshardable`. In megatron-core 0.16.1 the getter never sets the `padding` key the loader
-filters on (distrib_optimizer.py: only `sharded_param_state_dp_reshardable`, the
-dist-checkpointing path, adds it), so a resume raised `KeyError: 'padding'` on every rank.
-The getter emits exactly one entry per parameter (no padding entries), so every entry is
-marked `padding = False` before loading. megatron's dist_checkpointing (sharded state dicts,
-resharding across layouts) is the way to lift the same-layout restriction; its torch_dist
-writer spawns processes and its fully_reshardable format moves state through CUDA, so it is
-not used here yet (docs/engines-and-trainers.md).
+The distributed optimizer's state (this rank's shard of the fp32 main params and the Adam
+moments, with each parameter's step) is read with megatron-core's
+`get_parameter_state_dp_reshardable`, and written back here, entry by entry, into the main
+param and a freshly allocated Adam state of the same shape. megatron-core 0.16.1's own way
+back does not work: `load_parameter_state_from_dp_reshardable` filters on a `padding` key the
+getter never sets (KeyError on every rank); its `load_state_dict` without Apex or
+Transformer Engine gives every parameter's state the SAME `step` tensor (torch's Adam then
+increments it once per parameter per step: wrong bias correction after a resume); and with
+bf16 params it sizes its placeholder state by the parameter's bucket range while the main
+param is its shard range (a size mismatch at load, seen on an H200). The entries follow the
+getter's own order (gbuf -> dtype -> bucket -> param_map), so each lands on its parameter.
+megatron's dist_checkpointing (resharding across layouts) is the way to lift the
+same-layout restriction; not used yet (docs/engines-and-trainers.md).
 
-The same loader, without Apex or Transformer Engine (a plain torch Adam), shares one `step`
-tensor among all parameters' states: see `_unshare_step_counters`.
-
-RNG: Python, torch (CPU and CUDA) and megatron's model-parallel CUDA RNG tracker (the
-dropout streams; dropout is off in RL fine-tuning, but a resumed run must continue every
-stream) are saved and restored.
+RNG: Python, torch (CPU and CUDA) and megatron's model-parallel CUDA RNG tracker are saved
+and restored.
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ def _tracker_states() -> dict | None:
 def save(trainer: Any, directory: str | Path, extra: dict[str, Any]) -> Path:
     state: dict[str, Any] = {
         "model": {k: v.detach().cpu() for k, v in mm._tensor_state(trainer.model.module).items()},
-        "optimizer": trainer.optimizer.state_dict(),
         "step": trainer.step, "policy_version": trainer.policy_version, "extra": extra,
         "layout": trainer.layout(),
         "rng": {**rng_state(), "megatron_tracker": _tracker_states()},
@@ -63,6 +61,8 @@ def save(trainer: Any, directory: str | Path, extra: dict[str, Any]) -> Path:
         # This rank's shard of fp32 main params and Adam moments, in bucket order.
         state["param_state"] = [opt.get_parameter_state_dp_reshardable()
                                 for opt in _distributed_parts(trainer.optimizer)]
+    else:
+        state["optimizer"] = trainer.optimizer.state_dict()
     return save_state(_rank_dir(directory), state)
 
 
@@ -75,15 +75,11 @@ def load(trainer: Any, directory: str | Path) -> dict[str, Any]:
     with torch.no_grad():
         for name, t in mm._tensor_state(trainer.model.module).items():
             t.copy_(state["model"][name])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    _unshare_step_counters(trainer.optimizer)
-    for opt, param_state in zip(_distributed_parts(trainer.optimizer),
-                                state.get("param_state", [])):
-        # no_grad: with fp32 params the main params ARE views of the model's (leaf)
-        # parameters, and the loader copies into them in place (its siblings are decorated
-        # @torch.no_grad(); this one is not, in 0.16.1)
-        with torch.no_grad():
-            opt.load_parameter_state_from_dp_reshardable(_with_padding_flags(param_state))
+    if "optimizer" in state:  # the non-distributed optimizer: its own state dict
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    for part, param_state in zip(_distributed_parts(trainer.optimizer),
+                                 state.get("param_state", [])):
+        _restore_param_state(part, param_state)
     trainer.step, trainer.policy_version = state["step"], state["policy_version"]
     rng = state.get("rng")
     if rng is not None:
@@ -95,26 +91,25 @@ def load(trainer: Any, directory: str | Path) -> dict[str, Any]:
     return state["extra"]
 
 
-def _unshare_step_counters(optimizer: Any) -> None:
-    """Without Apex or Transformer Engine, megatron-core 0.16.1's DistributedOptimizer.
-    load_state_dict gives every parameter's state the SAME `step` tensor; torch's Adam
-    increments `state["step"]` in place once per parameter per step, so after a resume the
-    shared counter ran ahead by the number of parameters at every step and Adam's bias
-    correction went wrong. Each parameter gets its own copy back."""
-    for part in _distributed_parts(optimizer):
-        inner = getattr(part, "optimizer", None)
-        for s in (inner.state.values() if inner is not None else ()):
-            if torch.is_tensor(s.get("step")):
-                s["step"] = s["step"].clone()
-
-
-def _with_padding_flags(param_state: dict) -> dict:
-    """Mark every entry `padding = False` (see the module docstring)."""
-    for key, per_dtype in param_state.items():
-        if not isinstance(key, int):  # per_bucket_numel(_unpadded): metadata
-            continue
-        for buckets in per_dtype.values():
-            for bucket in buckets:
-                for entry in bucket:
-                    entry.setdefault("padding", False)
-    return param_state
+def _restore_param_state(part: Any, param_state: dict) -> None:
+    """Write a getter's entries back: main param values, and an Adam state (step, moments)
+    of their own shape, on the main param's device; then the model's (bf16) params from
+    the main ones, as megatron does after a step."""
+    inner = part.optimizer
+    with torch.no_grad():
+        for g, maps in enumerate(part.gbuf_ranges):
+            for dtype, buckets in maps.items():
+                for b, bucket_map in enumerate(buckets):
+                    entries = param_state[g][dtype][b]
+                    if len(entries) != len(bucket_map["param_map"]):
+                        raise ValueError(f"checkpoint bucket {g}/{dtype}/{b} has {len(entries)} "
+                                         f"parameters, this optimizer {len(bucket_map['param_map'])}")
+                    for entry, model_param in zip(entries, bucket_map["param_map"]):
+                        group, order = part.model_param_group_index_map[model_param]
+                        main = inner.param_groups[group]["params"][order]
+                        main.copy_(entry["param"])
+                        inner.state[main] = {
+                            k: entry[k].to(main.device).clone() if k != "step"
+                            else entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+    if hasattr(part, "_copy_main_params_to_model_params"):
+        part._copy_main_params_to_model_params()

@@ -1,7 +1,8 @@
 """The megatron-core trainer with its distributed optimizer (the default) on CPU: a checkpoint
 saved after one collection, loaded into a fresh trainer, continues exactly as the trainer that
-was never interrupted (it raised KeyError: 'padding' before, and then trained with a wrong
-Adam step count); micro-batches by a token budget and activation recompute change memory,
+was never interrupted, with fp32 and bf16 params (megatron-core's own loaders raised
+KeyError: 'padding', shared one Adam step counter among all parameters, and with bf16 params
+mis-sized their state: seen on an H200); micro-batches by a token budget and activation recompute change memory,
 not the result. Marked `megatron` (skipped without megatron-core)."""
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ def trainer(cfg, **overrides):
     return MegatronTrainer(hf_config, weights, mcfg)
 
 
-def test_distributed_optimizer_resume_continues_exactly(megatron_cpu, tmp_path):
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_distributed_optimizer_resume_continues_exactly(megatron_cpu, tmp_path, params_dtype):
     from rl_async.train import megatron_checkpoint
+    from rl_async.train import megatron_model as mm
 
     cfg = run_config()
-    first = trainer(cfg)
+    parallel = mm.MegatronParallelConfig(params_dtype=params_dtype, seed=cfg.model.init_seed)
+    first = trainer(cfg, parallel=parallel)
     assert first.cfg.use_distributed_optimizer
     first.train_collection(groups(11, 1), 1)
     first.save_checkpoint(tmp_path, {"version": 1})
@@ -38,7 +42,7 @@ def test_distributed_optimizer_resume_continues_exactly(megatron_cpu, tmp_path):
     uninterrupted = first.train_collection(groups(12, 2), 2)
     want = dict(first.named_tensors_for_publication())
 
-    resumed = trainer(cfg)
+    resumed = trainer(cfg, parallel=parallel)
     assert resumed.load_checkpoint(tmp_path) == {"version": 1}
     assert resumed.step == 2 and resumed.policy_version == 1
     got = resumed.train_collection(groups(12, 2), 2)
