@@ -214,11 +214,14 @@ class FleetPublication:
         if broken:  # the engine's own error says more (a dead actor answers at once), but a
             # receive on a dead server may wait forever: a moment for it, then stop waiting
             await asyncio.wait([receivers[i] for i in broken], timeout=ENGINE_ERROR_GRACE_S)
+            for i in broken:
+                receivers[i].cancel()
+        # The others got every byte; their calls finish (each bucket bounded by
+        # channel_timeout_s inside receive()).
+        await asyncio.wait(receivers.values())
         failed = {}
         for i, task in receivers.items():
-            if not task.done():
-                task.cancel()
-            error = task.exception() if task.done() and not task.cancelled() else None
+            error = task.exception() if not task.cancelled() else None
             if i in broken:
                 failed[i] = (f"{_cause(error)}; " if error else "") + (
                     f"the weight transfer to it failed on trainer rank 0: "

@@ -73,6 +73,7 @@ class Progress:
     max_staleness: int = 0
     staleness_sum: int = 0
     staleness_groups: int = 0
+    nonfinite_updates: int = 0  # skipped by the trainer (rl_async/train/guard.py)
     phase: str = "starting"
 
 
@@ -176,6 +177,7 @@ class Controller:
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),
                                             f"training the collection at version {self.version}")
         train_s = clock.now() - train_start
+        p.nonfinite_updates += int(train_metrics.get("train/nonfinite_updates", 0))
         trained_at = self.version
         self.version += self.plan.optimizer_steps_per_collection
         p.step += self.plan.optimizer_steps_per_collection
@@ -378,7 +380,7 @@ class Controller:
                      **{k: v for k, v in p.eval_last.items() if k != "reward"},
                      "initial": p.eval_first, "curve": p.eval_curve},
             "ledger": await self.fleet.ledger(),
-            "faults": await self.fleet.faults(),
+            "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
             "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),

@@ -6,7 +6,6 @@ Actors return plain `{name: float}` dicts; the controller merges them per step a
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,8 +22,8 @@ class MetricsLogger:
         self.last: dict[str, float] = {}
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        clean = {k: float(v) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        # NaN and inf are logged as they are: a diverging run must show it, not a gap.
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         self.last.update(clean)
         for sink in self.sinks:
             sink.log(clean, step)

@@ -189,6 +189,9 @@ class TrainSection(Section):
     # megatron activation recompute: "selective" recomputes core attention in the backward
     # (the s x s scores are never kept), "full" recomputes each layer from its input.
     recompute: Literal["none", "selective", "full"] = "none"
+    # An update with a non-finite gradient norm is skipped; more than this many in a row
+    # stop the run naming the step and the quantity (rl_async/train/guard.py).
+    max_nonfinite_updates: int = Field(3, ge=0)
 
 
 class AsyncSection(Section):

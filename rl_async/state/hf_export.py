@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from rl_async.state.models import resolve_dtype
+from rl_async.state.weights import require_finite
 
 SHARD_BYTES = 5 * 1024 ** 3  # save_pretrained's default max_shard_size
 WEIGHTS = "model.safetensors"
@@ -44,6 +45,7 @@ def _write_weights(named: Sequence[tuple[str, torch.Tensor]], out: Path, dtype: 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in named:
+        require_finite(name, tensor, "Hugging Face export")
         t = tensor.detach().to("cpu", dtype).contiguous()
         nbytes = t.numel() * t.element_size()
         if t.untyped_storage().nbytes() != nbytes:

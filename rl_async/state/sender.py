@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from rl_async.state import collective
-from rl_async.state.weights import flatten_bucket, unflatten_bucket, weights_checksum
+from rl_async.state.weights import (flatten_bucket, require_finite, unflatten_bucket,
+                                    weights_checksum)
 
 Meta = tuple[list[str], list[str], list[list[int]], int]  # names, dtypes, shapes, bytes
 
@@ -118,6 +119,7 @@ class PublicationSender:
         # the next tensor would pass bucket_bytes), applied as tensors arrive.
         size = 0
         for name, tensor in named:
+            require_finite(name, tensor, "publication snapshot")
             t = tensor.detach().to(dtype)
             n = t.numel() * t.element_size()
             if pending and size + n > bucket_bytes:

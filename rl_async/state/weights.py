@@ -132,3 +132,18 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         digest.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class NonFiniteWeights(RuntimeError):
+    """A weight tensor holds NaN or inf: it is never published or exported."""
+
+
+def require_finite(name: str, tensor: torch.Tensor, where: str) -> None:
+    """Raise NonFiniteWeights naming the tensor when it holds NaN or inf (one reduction on
+    the tensor's own device)."""
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise NonFiniteWeights(f"{where}: weight {name!r} has {bad} NaN/inf values of "
+                               f"{tensor.numel()}; not sent (engines keep the last finite "
+                               f"weights); see train/nonfinite_updates and train/grad_norm")
+

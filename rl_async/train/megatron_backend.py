@@ -40,6 +40,7 @@ from rl_async.algo.advantages import DEFAULT_ESTIMATOR, group_advantages
 from rl_async.algo.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms, ratio_quantile
 from rl_async.train import megatron_checkpoint, megatron_export
 from rl_async.train import megatron_model as mm
+from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, micro_batches, pack
 from rl_async.train.megatron_load import HFCheckpoint
 from rl_async.train.torch_trainer import lr_at
@@ -75,6 +76,7 @@ class MegatronTrainerConfig:
     total_steps: int = 0
     min_lr_ratio: float = 0.1
     compute_entropy: bool = True
+    max_nonfinite_updates: int = 3  # skipped non-finite updates in a row before the run stops
 
     def __post_init__(self) -> None:
         for key in ("global_batch_size", "micro_batch_size"):
@@ -136,6 +138,7 @@ class MegatronTrainer:
         tcfg.grad_scale_func = self.optimizer.scale_loss
         self.step = 0
         self.policy_version = 0
+        self.guard = NonFiniteGuard(cfg.max_nonfinite_updates)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     # ------------------------------------------------------------------ training
@@ -173,6 +176,7 @@ class MegatronTrainer:
                     for s in range(0, len(items), local_step)]
         out = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
         out["train/response_tokens"] = sum(m["train/response_tokens"] for m in per_step)
+        out["train/nonfinite_updates"] = sum(m["train/nonfinite_updates"] for m in per_step)
         out["train/optimizer_steps"] = float(len(per_step))
         out["train/step"] = float(self.step)
         out["train/lr"] = per_step[-1]["train/lr"]  # as the torch backend: the latest lr
@@ -271,10 +275,22 @@ class MegatronTrainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._run_schedule(batches, loss_func, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.step += 1
+        # The gradient norm before the update (every rank gets the same all-reduced value):
+        # a non-finite one skips the update (rl_async/train/guard.py); step() recomputes it.
+        self.optimizer.prepare_grads()
+        norm = self.optimizer.get_grad_norm()
+        took = self.guard.take(float(norm) if norm is not None else float("nan"))
+        ok, grad_norm = False, norm
+        if took:
+            ok, grad_norm, _ = self.optimizer.step()
+            self.step += 1
+        else:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
         maxes["ratio_p99"] = ratio_quantile(torch.cat(ratios)) if ratios else 0.0
         out = self._step_metrics(sums, maxes, ok, grad_norm, dp_group)
+        self.guard.record(self.step, out["train/loss"], out["train/grad_norm"], took)
+        out["train/nonfinite_updates"] = 0.0 if took else 1.0
         out["train/lr"] = lr
         return out
 
@@ -341,6 +357,7 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainer
         clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
         eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
         use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,
+        max_nonfinite_updates=t.max_nonfinite_updates,
         advantage_estimator=t.advantage, lr_schedule=t.lr_schedule,
         total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)
 

@@ -45,6 +45,7 @@ from rl_async.algo.advantages import get_advantage_fn, group_advantages
 from rl_async.state import trainer_state as ckpt
 from rl_async.train.batching import (TrainItem, item_from_sample, micro_batches, pack,
                                      token_logprobs, unpack_rows)
+from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.base.types import Group
@@ -92,6 +93,8 @@ class TorchTrainerConfig:
     device: str = "auto"              # "auto" = cuda when available, else cpu
     bf16: bool = True                 # bf16 autocast; only on GPU
     compute_entropy: bool = True
+    # Skipped non-finite updates in a row before the run stops (rl_async/train/guard.py).
+    max_nonfinite_updates: int = 3
     pad_token_id: int = 0
 
     def __post_init__(self) -> None:
@@ -166,6 +169,7 @@ class TorchTrainer:
             self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
             weight_decay=config.weight_decay)
         self.step = 0               # optimizer steps taken so far
+        self.guard = NonFiniteGuard(self.config.max_nonfinite_updates)
         self.policy_version = 0     # version of the last collection trained on
         self.per_rank_batch = config.global_batch_size // world_size
 
@@ -247,6 +251,7 @@ class TorchTrainer:
         metrics.update({
             "train/optimizer_steps": float(len(steps)),
             "train/response_tokens": float(sum(m["train/response_tokens"] for m in per_step)),
+            "train/nonfinite_updates": sum(m["train/nonfinite_updates"] for m in per_step),
             "train/step": float(self.step),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
             "train/anchor_scoring_seconds": scoring_s,
@@ -312,20 +317,26 @@ class TorchTrainer:
                 maxes[key] = max(maxes.get(key, 0.0), v)
             ratios.append(mb_ratios)
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         lr = lr_at(self.config, self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
-        self.step += 1
+        took = self.guard.take(grad_norm)  # the same on every rank: grads are all-reduced
+        if took:
+            self.optimizer.step()
+            self.step += 1
+        else:  # rl_async/train/guard.py: weights, optimizer state and schedule unchanged
+            self.optimizer.zero_grad(set_to_none=True)
         # p99 is not additive: each rank's p99 over its step tokens, max over ranks.
         maxes["ratio_p99"] = loss_lib.ratio_quantile(torch.cat(ratios))
         sums, maxes = reduce_stats(sums, maxes, self.world_size, self.device)
         metrics = loss_lib.metrics_from_stats(sums, maxes, maxes["ratio_p99"])
+        self.guard.record(self.step, metrics["train/loss"], grad_norm, took)
         n = max(sums["tokens"], 1.0)
         metrics.update({
+            "train/nonfinite_updates": 0.0 if took else 1.0,
             "train/entropy": sums["entropy_sum"] / n,
-            "train/grad_norm": float(grad_norm),
+            "train/grad_norm": grad_norm,
             "train/stale_token_fraction": (sums["stale_tokens"] / sums["versioned_tokens"]
                                            if sums["versioned_tokens"] else 0.0),
             "train/response_tokens": sums["tokens"],
