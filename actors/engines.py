@@ -35,7 +35,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
             # a resumed run continues with fresh randomness, not the start's stream again
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
-            batch_invariant=cfg.run.deterministic))
+            batch_invariant=cfg.run.deterministic,
+            request_timeout_s=cfg.sglang.request_timeout_s))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang

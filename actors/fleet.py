@@ -26,6 +26,7 @@ from actors.trainer import TrainerWorker
 from rl_async.state import checkpoints as ckpts
 from rl_async.state import rollouts
 from rl_async.state.collective import OWN_PROCESS_NCCL_ENV
+from rl_async.train.determinism import CUBLAS_ENV
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.loop.monitor import LoopMonitor, aggregate
@@ -49,11 +50,15 @@ def _placement(bundles: list[dict], what: str, key: str):
     return pg
 
 
-def nccl_env(gpu: bool) -> dict:
+def nccl_env(gpu: bool, deterministic: bool = False) -> dict:
     """Actor options for processes that join publication channels over NCCL: the same
-    NCCL settings on both ends (rl_async/state/collective.py says why); SGLang servers get
-    them through their launch environment."""
-    return {"runtime_env": {"env_vars": dict(OWN_PROCESS_NCCL_ENV)}} if gpu else {}
+    NCCL settings on both ends (rl_async/state/collective.py says why; SGLang servers get
+    them through their launch environment), and cuBLAS's workspace setting for
+    run.deterministic (it must be there before cuBLAS initialises)."""
+    if not gpu:
+        return {}
+    env = {**OWN_PROCESS_NCCL_ENV, **(CUBLAS_ENV if deterministic else {})}
+    return {"runtime_env": {"env_vars": env}}
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,8 @@ class RayFleet(FleetPublication):
                                      # run while the next collection trains. GPU: one, so
                                      # NCCL collectives of two communicators never run
                                      # concurrently on one device (publication_overlaps_training)
-                                     max_concurrency=1 if tgpu else 2, **nccl_env(tgpu))
+                                     max_concurrency=1 if tgpu else 2,
+                                     **nccl_env(tgpu, cfg.run.deterministic))
                          for r in range(c.trainer_workers)]
 
     async def setup_trainers(self) -> None:

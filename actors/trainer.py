@@ -18,6 +18,7 @@ from rl_async.state.models import resolve_dtype
 from rl_async.state.hf_export import export_hf
 from rl_async.base.types import Group
 from rl_async.state.sender import PublicationSender
+from rl_async.train.determinism import configure as configure_determinism
 from rl_async.state.weights import weights_checksum
 
 def free_port() -> int:
@@ -43,6 +44,7 @@ def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
 
 
 def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
+    configure_determinism(cfg.run.deterministic, cfg.model.init_seed)
     t = cfg.train
     if t.backend == "megatron":
         return build_megatron_trainer(cfg, plan)
@@ -51,7 +53,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
     return TorchTrainer(TorchTrainerConfig(
         hf_config=cfg.model.hf_config, model_path=cfg.model.path, seed=cfg.model.init_seed,
         lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-        lr_schedule=t.lr_schedule, total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
+        lr_schedule=t.lr_schedule, total_steps=t.lr_schedule_steps or cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
         global_batch_size=plan.global_batch_size, micro_batch_size=t.micro_batch_size,
         max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         max_nonfinite_updates=t.max_nonfinite_updates,

@@ -30,7 +30,8 @@ import json
 import statistics
 import sys
 
-from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.path first)
+from _common import TimedRun, init_ray, load_checked  # noqa: I001  (sets sys.path first)
+from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
 
@@ -113,7 +114,8 @@ def main() -> None:
                         help="run one mode only and print its measures (for investigation)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-file override for both runs")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, steps=2, response_len=4, hidden=32, vocab=64, groups=2,
+                            max_running=8, eval_prompts=4)
     init_ray(num_cpus=2)
     try:
         if args.only:

@@ -5,7 +5,7 @@ every evict-mode put ranks and evicts one group. The eviction ranking is heap-ba
 cost per group should grow at most like log(capacity), not linearly. Prints microseconds per
 group and the ratio to capacity 8; asserts nothing about time.
 
-    .venv/bin/python benchmarks/buffer_ops.py [--cycles 20000]
+    .venv/bin/python benchmarks/buffer_ops.py [--cycles 20000] [--json]
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import random
 import time
 
+from _smoke import parse_with_smoke
 from rl_async.loop.buffer import CompletedBuffer
 from rl_async.base.types import Group, Sample
 
@@ -65,16 +67,25 @@ async def cycle_cost(fill: list[Group], overflow: str, order: str, cycles: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cycles", type=int, default=10_000)
-    args = parser.parse_args()
+    parser.add_argument("--capacities", type=int, nargs="+", default=list(CAPACITIES))
+    parser.add_argument("--json", action="store_true", help="print one JSON line")
+    args = parse_with_smoke(parser, cycles=50, capacities=[8, 100])
     modes = [("block", "fifo"), ("block", "lifo"), ("evict", "fifo"), ("evict", "lifo")]
-    print(f"{'mode':<12}" + "".join(f"{f'cap {c:,}':>16}" for c in CAPACITIES)
-          + f"{'ratio 100k/8':>14}")
-    fills = {c: make_groups(c, "fill", random.Random(c)) for c in CAPACITIES}
-    for overflow, order in modes:
-        costs = [asyncio.run(cycle_cost(fills[c], overflow, order, args.cycles))
-                 for c in CAPACITIES]
-        cells = "".join(f"{f'{us:.2f} us/group':>16}" for us in costs)
-        print(f"{overflow + '/' + order:<12}{cells}{costs[-1] / costs[0]:>14.2f}")
+    caps = args.capacities
+    fills = {c: make_groups(c, "fill", random.Random(c)) for c in caps}
+    costs = {f"{o}/{r}": [asyncio.run(cycle_cost(fills[c], o, r, args.cycles)) for c in caps]
+             for o, r in modes}
+    if args.json:
+        print(json.dumps({"capacities": caps, "us_per_group": {m: [round(x, 3) for x in v]
+                                                               for m, v in costs.items()},
+                          f"ratio_{caps[-1]}_to_{caps[0]}": {m: round(v[-1] / v[0], 3)
+                                                             for m, v in costs.items()}}))
+        return
+    print(f"{'mode':<12}" + "".join(f"{f'cap {c:,}':>16}" for c in caps)
+          + f"{'ratio last/first':>18}")
+    for mode, values in costs.items():
+        cells = "".join(f"{f'{us:.2f} us/group':>16}" for us in values)
+        print(f"{mode:<12}{cells}{values[-1] / values[0]:>18.2f}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from _smoke import parse_with_smoke
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from rl_async.state.models import tiny_llama_config
@@ -76,7 +77,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=384)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
     torch.set_num_threads(args.threads)
     hf_config = tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
                                   max_position_embeddings=512)

@@ -31,6 +31,7 @@ import sys
 import time
 
 from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.path first)
+from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
 
@@ -169,7 +170,8 @@ def main() -> None:
     parser.add_argument("--fleet64", action="store_true",
                         help="64 engines x 256 running requests at realistic timings")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, steps=2, engines=2, max_running=8, groups=4, group_size=2,
+                            raw_calls=200)
     init_ray(num_cpus=2)
     try:
         raw = raw_calls_per_s(args.raw_calls, concurrency=512)

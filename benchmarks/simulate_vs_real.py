@@ -43,6 +43,7 @@ from rl_async.plan.load import load_config  # noqa: E402
 from rl_async.engine.timing import EngineTiming  # noqa: E402
 from rl_async.sim.calibrate import load_calibration, sim_timings  # noqa: E402
 from rl_async.sim.run import simulate  # noqa: E402
+from _smoke import parse_with_smoke  # noqa: E402
 
 CALIBRATE_ON = ("cluster_configs/local.toml", ())
 CASES = {
@@ -131,11 +132,12 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON line (the default)")
     ap.add_argument("--calibration", help="a summary JSON to calibrate on (skips that run)")
     ap.add_argument("--max-steps", type=int, default=300)
+    ap.add_argument("--cases", type=int, default=0, help="only the first N cases (0: all)")
     ap.add_argument("--keep", metavar="DIR", help="keep the real runs' summaries in DIR")
     ap.add_argument("--reuse", action="store_true",
                     help="with --keep: read the summaries already in DIR instead of running "
                          "again (to compare a changed simulator with the same real runs)")
-    args = ap.parse_args()
+    args = parse_with_smoke(ap, max_steps=4, cases=1)
     if args.reuse and not args.keep:
         ap.error("--reuse needs --keep DIR")
     if args.keep:
@@ -148,7 +150,7 @@ def main() -> None:
             cal_path = real_run(*CALIBRATE_ON, args.max_steps, out_dir, args.reuse)["_path"]
         calibration = load_calibration(cal_path)
         cases = []
-        for name, (path, overrides) in CASES.items():
+        for name, (path, overrides) in list(CASES.items())[:args.cases or None]:
             sim = predict(path, overrides, args.max_steps, calibration)
             band = [predict(path, overrides, args.max_steps, calibration, 1 + f)
                     for f in (-SPREAD, SPREAD)] + [sim]

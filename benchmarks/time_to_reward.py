@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from _common import init_ray, load_checked, TimedRun  # noqa: I001  (sets sys.path first)
+from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
 
@@ -98,7 +99,7 @@ def main() -> None:
     parser.add_argument("--target-fraction", type=float, default=0.8)
     parser.add_argument("--out", default=None, help="where summaries go (default: temp dir)")
     parser.add_argument("--set", action="append", default=[], help="override, all modes")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, seeds=1, lags="2", steps=4, every=2)
     args.out = args.out or tempfile.mkdtemp(prefix="rl-async-ttr-")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     lags = [int(x) for x in args.lags.split(",") if x]

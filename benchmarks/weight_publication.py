@@ -27,6 +27,7 @@ import statistics
 import time
 
 from _common import init_ray, load_checked  # noqa: I001  (sets sys.path first)
+from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
 
@@ -106,7 +107,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args()
+    args = parse_with_smoke(parser, reps=1, hidden=64, layers=1, vocab=256)
     overrides = [
         "run.name=bench-publication", "wandb.mode=disabled", "cluster.cpu_engines=2",
         "cluster.trainer_workers=1", "cluster.engine_cpus=1", "cluster.trainer_cpus=1",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -87,10 +88,11 @@ def _progress_line(p: dict) -> str:
 
 
 def resolve_resume(cfg: RunConfig, resume: str | None):
-    """`--resume [PATH]` -> (run directory, Resume) or (None, None) for a fresh run. Refuses
-    config changes the checkpoint cannot survive, naming the key."""
+    """`--resume [PATH]` -> (config, run directory, Resume), or (config, None, None) for a
+    fresh run. Refuses config changes the checkpoint cannot survive, naming the key; keeps
+    the lr schedule's horizon the run started with when run.max_steps changes."""
     if resume is None:
-        return None, None
+        return cfg, None, None
     from actors.fleet import Resume
     from rl_async.state import checkpoints as ckpts
     path = ckpts.find_checkpoint(cfg.run.output_dir, cfg.run.name,
@@ -101,8 +103,9 @@ def resolve_resume(cfg: RunConfig, resume: str | None):
         raise ckpts.ResumeError(f"cannot resume {path}: " + "; ".join(changes))
     print(f"[rl-async] resuming from {path} (step {meta['step']}, policy version "
           f"{meta['policy_version']})", flush=True)
-    return str(path.parent), Resume(str(path), int(meta["step"]), int(meta["policy_version"]),
-                                    meta["ledger"])
+    cfg = ckpts.keep_schedule_horizon(meta["config"], cfg)
+    return cfg, str(path.parent), Resume(str(path), int(meta["step"]),
+                                         int(meta["policy_version"]), meta["ledger"])
 
 
 LATEST = "latest"  # `--resume` without a path
@@ -125,7 +128,7 @@ def _warn_shared_storage(cfg: RunConfig) -> None:
 def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
                  resume: str | None = None) -> int:
     _print_plan(cfg, report)
-    run_dir, resume_from = resolve_resume(cfg, resume)
+    cfg, run_dir, resume_from = resolve_resume(cfg, resume)
     started = _init_ray(cfg)
     import ray
 
@@ -194,12 +197,22 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
             ray.shutdown()
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def _cause(exc: BaseException) -> str:
-    """The failing component and its error text, quoted from the start (where the cause is
-    named); a long diagnosis after it is cut, never the quote."""
-    cause = getattr(exc, "cause", None) or exc
-    text = f"{type(cause).__name__}: {cause}".strip()
-    return text if len(text) <= 4000 else text[:4000] + " ... [cut]"
+    """The innermost exception's type and message (a nested Ray task error's own text is a
+    traceback whose cause comes last), the Ray tasks it travelled through, no ANSI colour
+    codes; a long message keeps its start (where the component is named) and its end."""
+    chain = [exc]
+    while getattr(chain[-1], "cause", None) is not None and chain[-1].cause is not chain[-1]:
+        chain.append(chain[-1].cause)
+    inner = chain[-1]
+    where = [str(e.function_name) for e in chain if getattr(e, "function_name", None)]
+    text = _ANSI.sub("", f"{type(inner).__name__}: {inner}".strip())
+    if where:  # innermost first: where it was raised, then the tasks it came through
+        text += f" (raised in {', via '.join(reversed(where))})"
+    return text if len(text) <= 4000 else f"{text[:2500]} ... {text[-1400:]}"
 
 
 def _write_summary(summary: dict, path: str | None) -> None:

@@ -37,10 +37,6 @@ class JudgeDeployment:
     judge_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _optional(section: Any, key: str, overrides: dict[str, Any]) -> Any:
-    return overrides[key] if key in overrides else getattr(section, key)
-
-
 def judge_deployment(section: Any, run_name: str, **overrides: Any) -> JudgeDeployment:
     """`[judge]` (+ overrides for the optional keys) -> the deployment to run.
 
@@ -54,7 +50,10 @@ def judge_deployment(section: Any, run_name: str, **overrides: Any) -> JudgeDepl
                          f"{section.max_replicas}; raise max_replicas or lower min_replicas")
     if ":" not in section.judge_class:
         raise ValueError(f"judge.judge_class = {section.judge_class!r}: expected 'module:Class'")
-    opt = {k: _optional(section, k, overrides) for k in OVERRIDABLE}
+    opt = {"upscale_delay_s": section.upscale_delay_s,
+           "downscale_delay_s": section.downscale_delay_s,
+           "look_back_period_s": section.look_back_period_s, "num_cpus": section.num_cpus,
+           "num_gpus": section.num_gpus, "kwargs": section.kwargs, **overrides}
     for key in ("upscale_delay_s", "downscale_delay_s", "num_cpus", "num_gpus"):
         if opt[key] < 0:
             raise ValueError(f"judge.{key} = {opt[key]}: must be >= 0")

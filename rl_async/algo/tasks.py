@@ -22,6 +22,7 @@ response's final answer with `answer`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import re
@@ -213,11 +214,36 @@ def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) 
 
 def build_prompts(task_cfg, vocab_size: int, split: str = "train",
                   tokenizer=None) -> list[Prompt]:
-    """Prompts for a TaskSection: `split` is "train" or "eval"."""
+    """Prompts for a TaskSection: `split` is "train" or "eval". Without `task.eval_path`,
+    `task.num_eval_prompts` rows of `task.path` are held out for evaluation and removed
+    from training (`held_out_split`), so a held-out reward is never measured on training
+    prompts."""
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
-    path = task_cfg.path if split == "train" else (task_cfg.eval_path or task_cfg.path)
-    return load_jsonl(path, tokenizer, vocab_size)
+    if task_cfg.eval_path is not None:
+        path = task_cfg.path if split == "train" else task_cfg.eval_path
+        return load_jsonl(path, tokenizer, vocab_size)
+    train, held = held_out_split(load_jsonl(task_cfg.path, tokenizer, vocab_size),
+                                 task_cfg.num_eval_prompts, task_cfg.path)
+    return train if split == "train" else held
+
+
+def held_out_split(prompts: list[Prompt], n: int, where: str) -> tuple[list[Prompt], list[Prompt]]:
+    """(training prompts, `n` held-out prompts): the held-out ones are the first `n` by a
+    hash of each row's id and tokens, the same in every run whatever the file's order (a
+    file sorted by difficulty still gives a mixed held-out set); training keeps the rest in
+    file order."""
+    if n >= len(prompts):
+        raise DatasetError(f"task.num_eval_prompts = {n} would hold out every row of "
+                           f"task.path = {where!r} ({len(prompts)} rows) for evaluation: set "
+                           f"task.eval_path, or lower task.num_eval_prompts")
+    def key(item: tuple[int, Prompt]) -> str:
+        text = f"{item[1].prompt_id}|{item[1].prompt_ids}"
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    held = set(i for i, _ in sorted(enumerate(prompts), key=key)[:n])
+    return ([p for i, p in enumerate(prompts) if i not in held],
+            [p for i, p in sorted(enumerate(prompts), key=key)[:n]])
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -252,15 +278,28 @@ def stop_token_ids(cfg) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
 
 
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...}, braces balanced (\\boxed{\\frac{1}{2}} gives
+    \\frac{1}{2}, not 2); None when there is none or it is unclosed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 1, start + len("\\boxed{")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j].strip()
+    return None
 
 
 def final_answer(text: str) -> str | None:
     """The last \\boxed{...} in `text`, else its last number, else None."""
-    boxed = _BOXED.findall(text)
-    if boxed:
-        return boxed[-1].strip()
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
     numbers = _NUMBER.findall(text.replace(",", ""))
     return numbers[-1] if numbers else None
 
@@ -276,8 +315,9 @@ def answer_match_reward(sample: Sample) -> float:
 
 
 def default_reward_path(task_cfg) -> str:
-    return ("rl_async.algo.tasks:successor_reward" if task_cfg.name == "successor"
-            else "rl_async.algo.tasks:answer_match_reward")
+    return {"successor": "rl_async.algo.tasks:successor_reward",
+            "math": "rl_async.algo.math_reward:math_reward"}.get(
+                task_cfg.name, "rl_async.algo.tasks:answer_match_reward")
 
 
 def model_vocab_size(model_cfg) -> int:

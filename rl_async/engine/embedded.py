@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad, check_request,
+from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
+                                  TransientEngineError, check_request,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
                                       prefill_isolated)
@@ -76,6 +77,9 @@ class EmbeddedEngineConfig:
     # One forward (and one draw) per request: its tokens and log-probs are those it gets alone,
     # whatever shares its step (run.deterministic; costs throughput, README "Reproducibility").
     batch_invariant: bool = False
+    # A request not answered within this aborts and raises TransientEngineError (its group is
+    # regenerated): sglang.request_timeout_s, which both engines honour. None: no deadline.
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if (self.hf_config is None) == (self.path is None):
@@ -140,7 +144,14 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._wake.set()
         arrived = time.perf_counter()
         try:
-            out = await request.future
+            try:
+                out = await asyncio.wait_for(asyncio.shield(request.future),
+                                             self.config.request_timeout_s)
+            except TimeoutError:
+                await self.abort(rid)
+                raise TransientEngineError(
+                    f"request {rid!r}: no answer within sglang.request_timeout_s = "
+                    f"{self.config.request_timeout_s:g} s (aborted)") from None
             out.engine_seconds = time.perf_counter() - arrived
             self.latency.observe(out.engine_seconds)
             return out

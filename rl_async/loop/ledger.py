@@ -54,6 +54,8 @@ class _Prompt:
     original: Group  # as the factory made it, nothing generated: every retry starts here
     attempt: int  # the live attempt, or the next one while waiting for a retry
     state: str  # IN_FLIGHT, BUFFERED or RETRY
+    # Attempts lost to restarts (resumes), not to the prompt: they spend no retry.
+    restarts: int = 0
 
 
 def _fresh(original: Group, attempt: int, cursor: int | None = None) -> Group:
@@ -257,10 +259,10 @@ class PromptLedger:
         if self._handler == "drop":
             self._dropped_prompts += 1
             self._finish(prompt, group, count_key)
-        elif prompt.attempt >= self._max_retries:
+        elif prompt.attempt - prompt.restarts >= self._max_retries:
             self._fail(prompt, group, f"{count_key.removesuffix('_groups')} ({reason}) on "
-                       f"attempt {prompt.attempt + 1} of {self._max_retries + 1} "
-                       f"(max_retries={self._max_retries})")
+                       f"attempt {prompt.attempt - prompt.restarts + 1} of "
+                       f"{self._max_retries + 1} (max_retries={self._max_retries})")
         else:
             self._move(prompt, RETRY)
             self._counts[count_key] += 1
@@ -279,7 +281,8 @@ class PromptLedger:
             "exhausted": self._exhausted,
             "counts": {k: v for k, v in self.counts().items() if k != "unaccounted"},
             "outstanding": [{"group_id": p.original.group_id, "cursor": p.cursor,
-                             "attempt": p.attempt, "state": p.state} for p in waiting + live],
+                             "attempt": p.attempt, "restarts": p.restarts, "state": p.state}
+                            for p in waiting + live],
             "failures": self.failures(),
             "dropped_prompts": self._dropped_prompts,
         }
@@ -304,7 +307,8 @@ class PromptLedger:
             if entry["state"] in _STATE_COUNT:
                 resident[_STATE_COUNT[entry["state"]]] += 1
                 counts["aborted_groups"] += 1
-                prompt.attempt += 1
+                prompt.attempt += 1  # a new attempt: new sampling seeds
+                prompt.restarts += 1  # ... that spends none of the prompt's retries
             self._retry.append(entry["group_id"])
         if any(resident[k] != counts[k] for k in RESIDENT_KEYS):
             raise LedgerError(f"load_state_dict: the checkpoint counts {counts} do not match "
@@ -332,6 +336,7 @@ class PromptLedger:
                 f"the checkpoint has {entry['group_id']!r}; the prompt source must be "
                 f"deterministic (same data, seed and order) to resume")
         cursor = int(entry["cursor"])
-        prompt = _Prompt(cursor, _fresh(group, 0, cursor), int(entry["attempt"]), RETRY)
+        prompt = _Prompt(cursor, _fresh(group, 0, cursor), int(entry["attempt"]), RETRY,
+                         int(entry.get("restarts", 0)))
         self._prompts[group.group_id] = prompt
         return prompt

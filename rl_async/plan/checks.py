@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rl_async.algo import math_reward
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.memory import MemoryPlan, plan_memory
@@ -102,8 +103,12 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.fully_async and not cfg.train.use_tis:
         errors.append("train.use_tis = false: TIS is always on in async runs (async.fully_async = "
                       "true); it corrects policy lag and engine/trainer mismatch")
-    if cfg.task.name == "jsonl" and not cfg.task.path:
-        errors.append("task.name = 'jsonl' needs task.path (a JSONL file of prompts)")
+    if cfg.task.name in ("jsonl", "math") and not cfg.task.path:
+        errors.append(f"task.name = {cfg.task.name!r} needs task.path (a JSONL file of prompts)")
+    if cfg.task.name == "math" and (cfg.reward.function is None or "math_reward" in
+                                    cfg.reward.function) and not math_reward.available():
+        errors.append(f"task.name = 'math' grades answers with {math_reward.EXTRA}, which "
+                      f"is not installed")
     if cfg.publication.verify_checksum and cfg.engine.backend == "sglang":
         errors.append("publication.verify_checksum = true needs engine.backend = 'embedded': "
                       "SGLang 0.5.23's HTTP API returns no checksum of the served weights; "
@@ -132,6 +137,46 @@ def engine_warnings(cfg: RunConfig) -> list[Warning_]:
             "sglang.ignore_eos = true: SGLang then skips the stop ids as well as EOS, so every "
             "response runs to rollout.max_response_len; for fixed-length benchmarks only")))
     return out
+
+
+# Keys that only one setup reads: set explicitly elsewhere, they do nothing (UNUSED_KEY).
+_ONLY_FOR = (
+    ("engine.max_total_tokens", lambda c: c.engine.backend == "embedded",
+     "the embedded engine's token budget (SGLang sizes its KV cache itself)"),
+    ("engine.torch_threads", lambda c: c.engine.backend == "embedded"
+     and not c.cluster.inference_gpus, "the CPU threads of an embedded engine on CPU"),
+    ("sglang.mem_fraction_static", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.port_base", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.startup_timeout_s", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.extra_args", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.ignore_eos", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.launch_module", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),
+    ("task.prompt_digits", lambda c: c.task.name == "successor", "the built-in task's"),
+)
+
+
+def unused_key_warnings(cfg: RunConfig) -> list[Warning_]:
+    """Keys a file sets that this setup never reads (they are read by another one)."""
+    out = []
+    for key, applies, what in _ONLY_FOR:
+        section, name = key.split(".")
+        if name in getattr(cfg, section).model_fields_set and not applies(cfg):
+            out.append(Warning_("UNUSED_KEY", f"{key} is set but does nothing here: it is "
+                                              f"{what} (engine.backend = {cfg.engine.backend!r}, "
+                                              f"task.name = {cfg.task.name!r})"))
+    return out
+
+
+def task_warnings(cfg: RunConfig) -> list[Warning_]:
+    """What a task key means for this run that a user might not expect."""
+    t = cfg.task
+    if t.name in ("jsonl", "math") and t.eval_path is None:
+        return [Warning_("EVAL_SPLIT_FROM_TRAIN", (
+            f"task.eval_path is unset: task.num_eval_prompts = {t.num_eval_prompts} rows of "
+            f"task.path are held out for evaluation and removed from training (chosen by a "
+            f"hash of each row: the same rows in every run)"))]
+    return []
 
 
 def storage_warnings(cfg: RunConfig) -> list[Warning_]:
@@ -178,6 +223,23 @@ def trainer_layout_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     return errors
 
 
+def step_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
+    """The controller advances by whole collections (optimizer_steps_per_collection updates
+    at a time): a checkpoint or evaluation interval, or a run length, that is not a multiple
+    of it would be silently coarsened or overshot."""
+    k = plan.optimizer_steps_per_collection
+    if k <= 1:
+        return []
+    return [f"{key} = {value} is not a multiple of the {k} optimizer updates per collection "
+            f"(train.global_batch_size = {plan.global_batch_size} of "
+            f"{plan.collection_samples} samples): steps advance {k} at a time; use a "
+            f"multiple of {k}"
+            for key, value in (("run.checkpoint_every", cfg.run.checkpoint_every),
+                               ("eval.every_steps", cfg.eval.every_steps),
+                               ("run.max_steps", cfg.run.max_steps))
+            if value and value % k]
+
+
 def publication_errors(cfg: RunConfig) -> list[str]:
     """The publication deadline must leave room for its own stages: up to drain_timeout_s
     for in-flight requests and as long again for the aborted ones, then one channel
@@ -209,10 +271,11 @@ def architecture_errors(cfg: RunConfig) -> list[str]:
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-              + trainer_layout_errors(cfg, plan) + publication_errors(cfg)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg) + step_errors(cfg, plan)
               + architecture_errors(cfg))
     memory, note, mem_warnings, mem_errors = (None, "", [], [])
     if not errors:  # a plan of an invalid layout would only add noise
         memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)
-    return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + storage_warnings(cfg)
+    return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + task_warnings(cfg)
+                  + unused_key_warnings(cfg) + storage_warnings(cfg)
                   + mem_warnings, errors=errors + mem_errors, memory=memory, memory_note=note)

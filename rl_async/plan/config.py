@@ -165,8 +165,11 @@ class TrainSection(Section):
     global_batch_size: PositiveInt | None = None
     micro_batch_size: PositiveInt = 8
     lr: PositiveFloat = 1e-3
-    # "cosine" decays lr to lr * min_lr_ratio over run.max_steps updates.
+    # "cosine" decays lr to lr * min_lr_ratio over lr_schedule_steps updates.
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    # The schedule's horizon; None: run.max_steps. A resumed run keeps the horizon it started
+    # with when run.max_steps changes (set this key to change it on purpose).
+    lr_schedule_steps: PositiveInt | None = None
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: PositiveFloat = 1.0
@@ -241,8 +244,9 @@ class PublicationSection(Section):
 
 
 class TaskSection(Section):
-    # Built-in verifiable task, or "jsonl" for prompt files.
-    name: Literal["successor", "jsonl"] = "successor"
+    # Built-in verifiable task, "jsonl" for prompt files (reward: the last number or \boxed{}
+    # equals `answer`), or "math" (JSONL whose answers math-verify compares: the math extra).
+    name: Literal["successor", "jsonl", "math"] = "successor"
     path: str | None = None
     eval_path: str | None = None
     num_eval_prompts: PositiveInt = 64

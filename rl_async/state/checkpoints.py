@@ -146,6 +146,8 @@ def incompatible_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str
     keys = list(BREAKING_KEYS)
     if _get(now, "train.backend") == "megatron":  # per-rank shards of one layout
         keys.append("cluster.trainer_workers")
+    if _get(now, "task.name") != "successor":  # the built-in task's keys mean nothing else
+        keys = [k for k in keys if k not in ("task.modulus", "task.prompt_digits")]
     return [f"{k} = {_get(now, k)!r} but the checkpoint was written with {_get(saved, k)!r}"
             for k in keys if _get(saved, k) != _get(now, k)]
 
@@ -170,3 +172,21 @@ def append_trained(run_dir: str | os.PathLike, step: int, version: int,
     with open(Path(run_dir) / TRAINED_LOG, "a") as f:
         f.write(json.dumps({"step": step, "trained_at_version": version,
                             "groups": [list(g) for g in groups]}) + "\n")
+
+
+def keep_schedule_horizon(saved: dict, cfg):
+    """The resumed config, with train.lr_schedule_steps pinned to the horizon the run started
+    with when run.max_steps changed and the horizon was not set on purpose: a cosine
+    schedule then continues along its curve instead of jumping to another one (and
+    `rl-async replay`, which reads the config from meta.json, retrains along the same)."""
+    if cfg.train.lr_schedule_steps is not None:
+        return cfg
+    horizon = _get(saved, "train.lr_schedule_steps") or _get(saved, "run.max_steps")
+    if horizon == cfg.run.max_steps:
+        return cfg
+    print(f"[rl-async] run.max_steps {_get(saved, 'run.max_steps')} -> {cfg.run.max_steps}: "
+          f"the lr schedule keeps its horizon of {horizon} steps "
+          f"(train.lr_schedule_steps; set it to change the horizon)", flush=True)
+    return cfg.model_copy(update={"train": cfg.train.model_copy(
+        update={"lr_schedule_steps": horizon})})
+

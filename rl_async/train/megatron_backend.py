@@ -359,7 +359,7 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainer
         use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,
         max_nonfinite_updates=t.max_nonfinite_updates,
         advantage_estimator=t.advantage, lr_schedule=t.lr_schedule,
-        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)
+        total_steps=t.lr_schedule_steps or cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)
 
 
 def hf_weights_from_run(cfg: Any) -> tuple[Any, dict[str, Tensor] | HFCheckpoint]:

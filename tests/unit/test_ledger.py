@@ -264,3 +264,30 @@ def test_unaccounted_is_an_independent_check_that_a_broken_counter_fails():
     ledger._finish = original
     ledger._counts["submitted_groups"] -= 2
     assert ledger.counts()["unaccounted"] == -1
+
+
+def test_a_resume_spends_none_of_a_prompts_retries():
+    """Every resume regenerates the prompts that were in flight as a new attempt (new seeds),
+    but the restart is not the prompt's fault: with max_retries = 1 a prompt resumed twice
+    still gets its one retry (it used to fail on its first stale discard)."""
+    state = None
+    for _ in range(2):  # in flight at two checkpoints in a row
+        ledger = PromptLedger(factory, max_retries=1)
+        if state is not None:
+            ledger.load_state_dict(state)
+        group = ledger.next_group()
+        assert group.group_id == "p0"
+        state = json.loads(json.dumps(ledger.state_dict()))
+    ledger = PromptLedger(factory, max_retries=1)
+    ledger.load_state_dict(state)
+    group = ledger.next_group()
+    assert group.attempt == 2  # two restarts: two new attempts, new seeds
+    ledger.mark_buffered(group)
+    ledger.mark_discarded(group, "stale")  # its first real retry
+    retry = ledger.next_group()
+    assert retry.group_id == "p0" and retry.attempt == 3 and not ledger.failures()
+    ledger.mark_buffered(retry)
+    ledger.mark_discarded(retry, "stale")  # the second: past max_retries
+    [failure] = ledger.failures()
+    assert "attempt 2 of 2 (max_retries=1)" in failure["reason"]
+    counts(ledger, failed_groups=1)
