@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--fleet64", action="store_true",
                         help="64 engines x 256 running requests at realistic timings")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parse_with_smoke(parser, steps=2, engines=2, max_running=8, groups=4, group_size=2,
+    args = parse_with_smoke(parser, steps=4, engines=2, max_running=8, groups=4, group_size=2,
                             raw_calls=200)
     init_ray(num_cpus=2)
     try:

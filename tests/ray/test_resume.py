@@ -102,7 +102,10 @@ def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_pa
     cfg = load_config("cluster_configs/dev.toml",
                       [*ARGS, f"run.output_dir={tmp_path}", "run.name=t-resume"])
     ckpts.finalize(run_dir, 3, {"policy_version": 3, "ledger": {}, "config": cfg.to_dict()}, 0)
-    proc = subprocess.run(cli(tmp_path, "--resume", "--set", "rollout.n_samples_per_prompt=8"),
+    # twice the samples per collection: a global batch to match keeps one update per
+    # collection (validate refuses a checkpoint interval that steps would skip over)
+    proc = subprocess.run(cli(tmp_path, "--resume", "--set", "rollout.n_samples_per_prompt=8",
+                              "--set", "train.global_batch_size=32"),
                           env=env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert "rollout.n_samples_per_prompt = 8 but the checkpoint was written with 4" in proc.stderr
