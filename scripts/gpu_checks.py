@@ -15,6 +15,10 @@ short by its time budget still says what passed:
                                       params and the distributed optimizer)
     publication_buckets               bucket / flatten / unflatten of mixed-dtype tensors on the
                                       device is exact (the publication codec)
+    publication_channel, publication_two_ranks, sglang_stop_rule, logprobs_chunked,
+    memory_plan_torch_step, megatron_resume_and_memory: docs/gpu.md (what each shows and
+                                      what it would have caught; a check that cannot run on
+                                      this machine is `skipped` with the reason)
 
 Report: {"device", "torch", "cuda", "gpu", "passed", "ray_imported", "checks": {name:
 {"status": passed|failed|skipped|not_run, "seconds", "details" | "error"}}}.
@@ -34,7 +38,8 @@ import torch
 
 from gpu_check_memory import (check_logprobs_chunked, check_megatron_resume_and_memory,
                               check_memory_plan_torch)
-from gpu_check_publish import check_publication_channel
+from gpu_check_publish import (check_publication_channel, check_publication_two_ranks,
+                               check_sglang_stop_rule)
 from gpu_check_train import Skip, check_buckets, check_engine, check_megatron, check_torch_trainer
 
 CHECKS = {"embedded_engine_vs_hf_generate": check_engine,
@@ -42,6 +47,8 @@ CHECKS = {"embedded_engine_vs_hf_generate": check_engine,
           "megatron_tp1_step_and_round_trip": check_megatron,
           "publication_buckets": check_buckets,
           "publication_channel": check_publication_channel,
+          "publication_two_ranks": check_publication_two_ranks,
+          "sglang_stop_rule": check_sglang_stop_rule,
           "logprobs_chunked": check_logprobs_chunked,
           "memory_plan_torch_step": check_memory_plan_torch,
           "megatron_resume_and_memory": check_megatron_resume_and_memory}

@@ -14,8 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 CHECKS = {"embedded_engine_vs_hf_generate", "torch_trainer_bf16_step",
           "megatron_tp1_step_and_round_trip", "publication_buckets", "publication_channel",
-          "logprobs_chunked", "memory_plan_torch_step", "megatron_resume_and_memory"}
-GPU_ONLY = {"memory_plan_torch_step", "megatron_resume_and_memory"}  # skipped on --cpu
+          "logprobs_chunked", "memory_plan_torch_step", "megatron_resume_and_memory",
+          "publication_two_ranks", "sglang_stop_rule"}
+# skipped on --cpu (and SGLang is not installed in CI)
+GPU_ONLY = {"memory_plan_torch_step", "megatron_resume_and_memory", "sglang_stop_rule"}
 
 
 # Imported at interpreter start-up (PYTHONPATH): Ray, SGLang and the HTTP/config stack are
