@@ -107,7 +107,6 @@ class RayFleet(FleetPublication):
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
         # The policy version engines hold (a replacement samples from a fresh seed stream).
         self.version_hint = resume.version if resume else 0
-        self.snapshot_pending = False
 
     async def bounded(self, ref, what: str, timeout_s: float = CONTROL_CALL_TIMEOUT_S):
         """A control call on another actor, with a deadline: a wedged actor surfaces as an

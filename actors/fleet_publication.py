@@ -137,7 +137,6 @@ class FleetPublication:
         flat = self.cfg.engine.backend == "embedded"
         bucket_bytes = self.cfg.publication.bucket_bytes
         ranks = self._collective_ranks()
-        self.snapshot_pending = True  # staged, not yet sent
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
 
@@ -147,7 +146,6 @@ class FleetPublication:
         async with self.members_lock:
             sent = await self._send_locked(version, progress, "staged")
             await self.trainers[0].commit_publication.remote()
-            self.snapshot_pending = False
             self._published_metas = self._metas
         return sent
 

@@ -40,7 +40,6 @@ import asyncio
 import itertools
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
@@ -49,50 +48,13 @@ from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
                                   GenerateOutput, InvalidRequestError, SamplingParams)
 from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
                                       prefill_isolated)
-from rl_async.state.models import build_causal_lm, resolve_dtype
+from rl_async.state.models import build_causal_lm
 from rl_async.engine.sampling import draw_uniforms, sample_tokens
 from rl_async.engine.scheduler import Request, Scheduler
 from rl_async.engine.timing import RequestLatency, StepCurve
+from rl_async.engine.embedded_config import EmbeddedEngineConfig  # noqa: F401 -- re-exported
 from rl_async.engine.embedded_weights import EngineWeightsMixin
 from rl_async.state.weights import weights_checksum
-
-
-@dataclass
-class EmbeddedEngineConfig:
-    """Settings of one embedded engine. Model: exactly one of `hf_config` / `path`."""
-
-    hf_config: dict | None = None
-    path: str | None = None
-    init_seed: int = 0  # weights seed for hf_config; the trainer uses the same
-    device: str = "cpu"
-    dtype: str = "float32"
-    attn_implementation: str | None = None
-    max_running_requests: int = 32
-    max_total_tokens: int | None = None  # None -> max_running_requests * context_len
-    context_len: int | None = None  # None -> the model's max_position_embeddings
-    max_prompt_len: int | None = None  # None -> context_len - 1
-    torch_threads: int | None = None  # None -> leave torch's setting alone
-    sampling_seed: int = 0  # seeds requests whose SamplingParams.seed is None
-    forward_in_thread: bool = True  # False: forwards block the loop (benchmarks, debugging)
-    # One forward (and one draw) per request: its tokens and log-probs are those it gets alone,
-    # whatever shares its step (run.deterministic; costs throughput, README "Reproducibility").
-    batch_invariant: bool = False
-    # A request not answered within this aborts and raises TransientEngineError (its group is
-    # regenerated): sglang.request_timeout_s, which both engines honour. None: no deadline.
-    request_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if (self.hf_config is None) == (self.path is None):
-            raise ValueError("EmbeddedEngineConfig: set exactly one of hf_config / path "
-                             f"(got hf_config={self.hf_config!r}, path={self.path!r})")
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"engine.device = {self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
-        resolve_dtype(self.dtype)
-        for key in ("max_running_requests", "max_total_tokens", "context_len",
-                    "max_prompt_len", "torch_threads"):
-            value = getattr(self, key)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"engine.{key} = {value!r}: must be an int >= 1")
 
 
 class EmbeddedEngine(EngineWeightsMixin, Engine):

@@ -13,6 +13,8 @@ only its own GPUs through CUDA_VISIBLE_DEVICES, so SGLang's `--base-gpu-id` stay
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass, field
@@ -202,3 +204,21 @@ def build_launch_env(config: SGLangEngineConfig, base_env: dict[str, str]) -> di
     # NCCL_CUMEM_ENABLE itself, to the same "0"; set here so the two never differ).
     env.update(NCCL_ENV)
     return env
+
+
+def signal_group(pid: int, sig: signal.Signals) -> None:
+    # The group id is the pid of the server we started (start_new_session=True).
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def die_with_parent() -> None:
+    """In the server process, before exec: the kernel SIGKILLs it when the engine actor's
+    process dies, however it dies (SIGKILL, OOM), so no server outlives its actor holding
+    GPUs. Its scheduler processes follow it (SGLang kills them when their parent goes)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -42,7 +42,7 @@ from rl_async.engine.base import Engine, EngineError, EngineLoad, GenerateOutput
     InvalidRequestError, SamplingParams, TransientEngineError
 from rl_async.engine import sglang_protocol as proto
 from rl_async.engine.sglang_args import SGLANG_VERSION, SGLangEngineConfig, \
-    build_launch_command, build_launch_env, free_port
+    build_launch_command, build_launch_env, die_with_parent, free_port, signal_group
 
 __all__ = ["SGLANG_VERSION", "SGLangEngine", "SGLangEngineConfig"]
 
@@ -108,7 +108,7 @@ class SGLangEngine(Engine):
             self._process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 env=build_launch_env(self.config, dict(os.environ)), start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
 
     async def _wait_healthy(self) -> None:
@@ -160,11 +160,11 @@ class SGLangEngine(Engine):
         proc, self._process = self._process, None
         if proc is None or proc.poll() is not None:
             return
-        _signal_group(proc.pid, signal.SIGTERM)
+        signal_group(proc.pid, signal.SIGTERM)
         try:
             await asyncio.to_thread(proc.wait, self.config.shutdown_grace_s)
         except subprocess.TimeoutExpired:
-            _signal_group(proc.pid, signal.SIGKILL)
+            signal_group(proc.pid, signal.SIGKILL)
             await asyncio.to_thread(proc.wait)
 
     async def __aenter__(self) -> SGLangEngine:
@@ -387,21 +387,3 @@ class SGLangEngine(Engine):
                             "load_poll_errors": self._load_poll_errors,
                             "load_error": self._load_error}
         return self._load
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    # The group id is the pid of the server we started (start_new_session=True).
-    try:
-        os.killpg(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _die_with_parent() -> None:
-    """In the server process, before exec: the kernel SIGKILLs it when the engine actor's
-    process dies, however it dies (SIGKILL, OOM), so no server outlives its actor holding
-    GPUs. Its scheduler processes follow it (SGLang kills them when their parent goes)."""
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
