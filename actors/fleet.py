@@ -346,6 +346,11 @@ class RayFleet(FleetPublication):
         return {"engine_restarts": restarts.restarts if restarts else 0,
                 "engine_failures": self.fault_log, **counts}
 
+    async def rollout(self) -> dict:
+        """The summary's `rollout`: turns, truncation and environment time (multi-turn)."""
+        return await self.bounded(self.producer.rollout_summary.remote(),
+                                  "producer.rollout_summary")
+
     async def diagnosis(self) -> dict:
         """What every stage holds right now, for a stall error (each part best effort)."""
         parts = {"producer": self.producer.metrics.remote(),

@@ -25,7 +25,9 @@ from rl_async.loop.monitor import LoopMonitor
 from rl_async.loop.producer import Producer, ProducerLimits, zero_variance
 from rl_async.algo.rewards import backoff_s
 from rl_async.algo.rewards import RewardError
-from rl_async.algo.seeding import eval_seed
+from rl_async.algo.environments import EnvironmentFailure
+from rl_async.algo.seeding import eval_seed, turn_seed
+from rl_async.loop.trajectory import build_trajectory_runner
 from rl_async.algo.tasks import stop_token_ids
 from rl_async.base.types import Sample
 
@@ -56,6 +58,7 @@ class ProducerActor:
         self.score_batcher = MicroBatcher(self._score_batch)
         self.put_batcher = MicroBatcher(self._put_batch)  # the groups finished in one tick
         self.sampling = sampling_params(cfg)
+        self.trajectory = build_trajectory_runner(cfg) if cfg.task.name == "env" else None
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),
@@ -66,12 +69,12 @@ class ProducerActor:
                 ref_of(g), "aborted by publication or shutdown"),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
-            group_errors=(EngineError, RewardError),
+            group_errors=(EngineError, RewardError, EnvironmentFailure),
             next_groups=self._call(source, "prompt source", "next_groups"),
             engine_ready=self._engine_ready,
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
-            seed=cfg.run.seed,
+            seed=cfg.run.seed, trajectory=self.trajectory,
             **({"filter_group": zero_variance,
                 "on_filtered": lambda g, reason: self._call(source, "prompt source",
                                                             "mark_filtered")(ref_of(g), reason)}
@@ -101,19 +104,25 @@ class ProducerActor:
             self._routable.clear()
             await self._routable.wait()
 
-    async def _generate(self, sample: Sample, group_id: str, params=None) -> GenerateOutput:
+    async def _generate(self, sample: Sample, group_id: str, max_new_tokens: int | None = None,
+                        params=None) -> GenerateOutput:
         """One request. A transient failure (a dead engine under fault tolerance, a reset
         connection, an HTTP 5xx, a timeout) aborts the sample after a backoff, so its group
-        is regenerated from the original prompt; a malformed request fails the group."""
+        is regenerated from the original prompt; a malformed request fails the group.
+        `max_new_tokens` marks a turn of a multi-turn trajectory (`group_id` names the
+        trajectory): its room in the trajectory's budget, and routed to the trajectory's
+        engine."""
         params = params or self.sampling
         if sample.seed is not None:
             params = dataclasses.replace(params, seed=sample.seed)
-        cost = len(sample.prompt_ids) + params.max_new_tokens
+        if max_new_tokens is not None:
+            params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+        cost, sticky = len(sample.prompt_ids) + params.max_new_tokens, max_new_tokens is not None
         try:
-            index = self.router.pick(group_id, cost)
+            index = self.router.pick(group_id, cost, sticky)
         except NoHealthyEngine:  # went down since _engine_ready (or an eval request)
             await self._engine_ready()
-            index = self.router.pick(group_id, cost)
+            index = self.router.pick(group_id, cost, sticky)
         try:
             return await self.gen_batchers[index].submit((sample.prompt_ids, params))
         except ActorDied:  # the engine's stream broke: the actor died
@@ -227,6 +236,9 @@ class ProducerActor:
                 "aborted_groups": s.aborted_groups, "refreshed_requests": s.refreshed_requests,
                 "mixed_version_responses": s.mixed_version_responses}
 
+    def rollout_summary(self) -> dict:
+        return self.core.stats.rollout_summary()
+
     def groups_owned(self) -> int:
         return self.core.groups_owned
 
@@ -239,9 +251,11 @@ class ProducerActor:
         async def one(tag: str, p, params, seed: int | None) -> float:
             sample = Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
                             metadata=dict(p.metadata), seed=seed)
-            out = await self._generate(sample, tag, params)
+            if self.trajectory is not None:
+                return await self._evaluate_trajectory(tag, sample, params)
+            out = await self._generate(sample, tag, None, params)
             while out.finish_reason == "abort":  # an engine failed under it: ask again
-                out = await self._generate(sample, tag, params)
+                out = await self._generate(sample, tag, None, params)
             sample.response_ids = list(out.output_ids)
             return await self._call(self.reward, "reward", "score")(sample)
 
@@ -258,6 +272,28 @@ class ProducerActor:
             *(k_samples(i, p) for i, p in enumerate(prompts) if k))
         return eval_metrics(list(firsts), sampled)
 
+    async def _evaluate_trajectory(self, tag: str, sample: Sample, params) -> float:
+        """An eval trajectory at the eval sampling settings, scored by the environment. An
+        environment failure scores 0 and is counted (faults.eval_env_failures), so a flaky
+        environment cannot stop the run from an evaluation."""
+        key = f"{tag}/{sample.seed}"
+
+        async def turn(ids: list[int], n: int, t: int) -> GenerateOutput:
+            request = Sample(prompt_id=sample.prompt_id, prompt_ids=ids,
+                             seed=None if sample.seed is None else turn_seed(sample.seed, t))
+            out = await self._generate(request, key, n, params)
+            while out.finish_reason == "abort":  # an engine failed under it: ask again
+                out = await self._generate(request, key, n, params)
+            return out
+
+        try:
+            await self.trajectory.run(sample, turn)
+        except EnvironmentFailure as exc:
+            self.faults["eval_env_failures"] = self.faults.get("eval_env_failures", 0) + 1
+            self.faults["last_transient_error"] = str(exc)
+            return 0.0
+        return float(sample.reward)
+
     def metrics(self) -> dict[str, float]:
         s = self.core.stats
         out = {f"producer/{k}": float(v) for k, v in vars(s).items() if k != "extra"}
@@ -269,6 +305,8 @@ class ProducerActor:
         self._window = {"inserted": s.inserted_groups, "filtered": s.filtered_groups}
         out["rollout/filtered_groups"] = float(filtered)
         out["rollout/filtered_fraction"] = filtered / max(1, filtered + inserted)
+        if self.trajectory is not None:  # multi-turn: since the start of the run
+            out.update({f"rollout/{k}": float(v) for k, v in s.rollout_summary().items()})
         out.update({f"producer/{k}": float(v) for k, v in self.core.load().items()})
         for load in self.router.loads():
             out[f"engine/{load['engine']}/outstanding_requests"] = load["outstanding_requests"]

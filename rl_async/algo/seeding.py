@@ -18,7 +18,7 @@ import hashlib
 import struct
 
 SEED_BITS = 31
-_TRAIN, _EVAL = 0, 1
+_TRAIN, _EVAL, _TURN = 0, 1, 2
 
 
 def _hash(*parts: int) -> int:
@@ -38,3 +38,10 @@ def eval_seed(run_seed: int, prompt_index: int, index: int) -> int:
     """The seed of sampled eval response `index` to held-out prompt `prompt_index`: the same at
     every evaluation, so successive evals compare policies on common random numbers."""
     return _hash(_EVAL, run_seed, prompt_index, index)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of assistant turn `turn` of a multi-turn trajectory sampled with `seed`: turn 0
+    uses the sample's own seed, later turns their own streams (a fixed seed per turn would
+    replay the same random numbers at every turn)."""
+    return seed if turn == 0 else _hash(_TURN, seed, turn)

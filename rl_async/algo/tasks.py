@@ -220,10 +220,16 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     prompts."""
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
+    load = load_jsonl
+    if task_cfg.name == "env":  # rows for the environment's reset, not prompts
+        from rl_async.algo.environments import env_rows
+
+        def load(path, tokenizer, vocab_size):
+            return env_rows(path)
     if task_cfg.eval_path is not None:
         path = task_cfg.path if split == "train" else task_cfg.eval_path
-        return load_jsonl(path, tokenizer, vocab_size)
-    train, held = held_out_split(load_jsonl(task_cfg.path, tokenizer, vocab_size),
+        return load(path, tokenizer, vocab_size)
+    train, held = held_out_split(load(task_cfg.path, tokenizer, vocab_size),
                                  task_cfg.num_eval_prompts, task_cfg.path)
     return train if split == "train" else held
 
@@ -268,8 +274,8 @@ def stop_token_ids(cfg) -> tuple[int, ...]:
     """rollout.stop_token_ids, else the built-in task's EOS, else the model's eos_token_id."""
     if cfg.rollout.stop_token_ids is not None:
         return tuple(cfg.rollout.stop_token_ids)
-    if cfg.task.name == "successor":
-        return (EOS,)
+    if cfg.task.name == "successor" or (cfg.task.name == "env" and cfg.model.path is None):
+        return (EOS,)  # the built-in vocabulary's EOS (the digit chat template's turn end)
     if cfg.model.path is None:
         return ()
     from transformers import AutoConfig

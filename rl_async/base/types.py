@@ -10,6 +10,10 @@ Per-token bookkeeping that the rest of the system relies on:
   Age and staleness are computed from these and nothing else (SPEC §5).
 - `behavior_logprobs[i]` is the engine's log-prob of response token i at sampling time. It is
   the TIS denominator and is never recomputed (LESSONS: ROLL#242).
+- `loss_mask[i]` (multi-turn trajectories, SPEC §12): 1 for a token the policy sampled, 0 for
+  one the environment or the chat template added (a tool result, a user turn). Masked tokens
+  are context only: version -1, log-prob 0, never trained, never counted in a sample's age.
+  Empty = every response token was sampled (single-turn).
 """
 
 from __future__ import annotations
@@ -36,14 +40,21 @@ class Sample:
     # The sampling seed this attempt was generated with (rl_async.algo.seeding); None = the
     # engine's own stream (arrival order).
     seed: int | None = None
+    # Multi-turn trajectories: per response token, 1 = sampled (trained), 0 = added by the
+    # environment or the template (context only); empty = all sampled. `turns` counts the
+    # assistant turns (0 for a single-turn sample).
+    loss_mask: list[int] = field(default_factory=list)
+    turns: int = 0
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
 
     def oldest_version(self) -> int | None:
-        """Oldest policy version among this sample's tokens; None when none was recorded."""
-        return min(self.token_versions) if self.token_versions else None
+        """Oldest policy version among this sample's sampled tokens (masked tokens carry
+        -1 and no version); None when none was recorded."""
+        versions = [v for v in self.token_versions if v >= 0]
+        return min(versions) if versions else None
 
     def fresh_copy(self) -> Sample:
         """The same prompt with nothing of a previous attempt (tokens, log-probs, versions)."""

@@ -77,18 +77,20 @@ class Router:
     def any_healthy(self) -> bool:
         return any(self._healthy)
 
-    def pick(self, group_id: str | None = None, cost: int = 1) -> int:
-        """Choose an engine for one request of estimated `cost` tokens and account it."""
+    def pick(self, group_id: str | None = None, cost: int = 1, sticky: bool = False) -> int:
+        """Choose an engine for one request of estimated `cost` tokens and account it.
+        `sticky` (the turns of one multi-turn trajectory): stay on the engine of the key's
+        earlier requests whatever the load, unless that engine is out of routing."""
         if cost < 0:
             raise ValueError(f"cost = {cost!r}: must be >= 0 (tokens of the request)")
         index = self._least_loaded()
         entry = self._groups.get(group_id) if group_id is not None else None
-        if entry is not None and self.policy.affinity and self._healthy[entry[0]]:
+        if entry is not None and (self.policy.affinity or sticky) and self._healthy[entry[0]]:
             home, own = entry
             other_work = self._score(home) - own
             allowed = ((1 + self.policy.max_imbalance) * self._score(index)
                        + self.policy.request_weight + cost)
-            if other_work <= allowed:
+            if sticky or other_work <= allowed:
                 index = home
                 self._affinity_hits += 1
             else:

@@ -52,6 +52,7 @@ class Fleet(PublicationOps, Protocol):
     async def progress_marker(self) -> int: ...
     async def diagnosis(self) -> dict: ...
     async def faults(self) -> dict: ...
+    async def rollout(self) -> dict: ...
 
 
 @dataclass
@@ -381,6 +382,7 @@ class Controller:
                      "initial": p.eval_first, "curve": p.eval_curve},
             "ledger": await self.fleet.ledger(),
             "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
+            "rollout": await self.fleet.rollout(),
             "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),

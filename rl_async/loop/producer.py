@@ -31,7 +31,8 @@ from typing import Awaitable, Callable
 from rl_async.base import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.loop.faults import FailureBudget
-from rl_async.algo.seeding import sample_seed
+from rl_async.algo.seeding import sample_seed, turn_seed
+from rl_async.loop.trajectory import TrajectoryRunner
 # Re-exported: callers import the limits, stats and filter from here.
 from rl_async.loop.producer_types import ProducerLimits, ProducerStats, zero_variance  # noqa: F401
 from rl_async.base.types import Group, Sample
@@ -61,7 +62,7 @@ class Producer:
                  next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
                  max_fetch_groups: int = 8,
                  engine_ready: Callable[[], Awaitable[None]] | None = None,
-                 seed: int | None = None):
+                 seed: int | None = None, trajectory: TrajectoryRunner | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -77,6 +78,10 @@ class Producer:
         # With a run seed, every sample carries its own sampling seed (rl_async.algo.seeding), so
         # its tokens do not depend on arrival order; None leaves it to the engine's stream.
         self._seed = seed
+        # Multi-turn environments (SPEC §12): a sample is a trajectory of turns, each turn
+        # one gated generation request (routed to the trajectory's engine), scored by the
+        # environment instead of `score`.
+        self._trajectory = trajectory
         # Opening groups k at a time saves k - 1 round trips to the prompt source; k never
         # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
         # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
@@ -291,8 +296,11 @@ class Producer:
                 if self._seed is not None:
                     g = og.group
                     sample.seed = sample_seed(self._seed, g.cursor, g.attempt, index)
-                await self._generate_sample(og, sample)
-            if not (og.aborted or og.error):
+                if self._trajectory is not None:
+                    await self._run_trajectory(og, sample, index)
+                else:
+                    await self._generate_sample(og, sample)
+            if not (og.aborted or og.error) and self._trajectory is None:
                 start = clock.now()
                 sample.reward = await self._score(sample)
                 self.stats.score_seconds += clock.now() - start
@@ -302,7 +310,22 @@ class Producer:
         finally:
             og.done += 1
 
-    async def _generate_sample(self, og: _OpenGroup, sample: Sample) -> None:
+    async def _run_trajectory(self, og: _OpenGroup, sample: Sample, index: int) -> None:
+        key = f"{og.group.group_id}/{index}"  # all turns on one engine (prefix reuse)
+
+        async def turn(input_ids: list[int], max_new_tokens: int, t: int) -> GenerateOutput:
+            request = Sample(prompt_id=sample.prompt_id, prompt_ids=input_ids,
+                             seed=None if sample.seed is None else turn_seed(sample.seed, t))
+            return await self._request(request, key, max_new_tokens)
+
+        result = await self._trajectory.run(sample, turn)
+        self.stats.record_trajectory(result)
+        if result.finish == "abort":
+            og.aborted = True
+
+    async def _request(self, sample: Sample, key: str, max_new_tokens: int | None = None
+                       ) -> GenerateOutput:
+        """One generation request under the semaphore and the publication gate."""
         async with self._gen_sem:
             # Re-check the gate after getting a permit: a publication may have started while
             # this sample waited, and no request may reach an engine during the transfer.
@@ -323,7 +346,8 @@ class Producer:
             self.stats.submitted_samples += 1
             start = clock.now()
             try:
-                out = await self._generate(sample, og.group.group_id)
+                out = await (self._generate(sample, key) if max_new_tokens is None
+                             else self._generate(sample, key, max_new_tokens))
             finally:
                 self._samples_in_flight -= 1
                 if self._samples_in_flight == 0:
@@ -334,6 +358,10 @@ class Producer:
             if inside is not None:  # the round trip outside the engine
                 self.stats.transit_seconds += max(0.0, clock.now() - start - inside)
                 self.stats.transit_samples += 1
+        return out
+
+    async def _generate_sample(self, og: _OpenGroup, sample: Sample) -> None:
+        out = await self._request(sample, og.group.group_id)
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(
                 f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "

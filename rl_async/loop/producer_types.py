@@ -53,4 +53,32 @@ class ProducerStats:
     # responses whose tokens span more than one policy version.
     refreshed_requests: int = 0
     mixed_version_responses: int = 0
+    # Multi-turn environments: finished trajectories (aborted ones not counted), their
+    # assistant turns, the truncated ones (max_turns or max_trajectory_tokens) and the
+    # seconds spent inside reset/step/score.
+    trajectories: int = 0
+    turns: int = 0
+    truncated_trajectories: int = 0
+    env_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
+
+    def rollout_summary(self) -> dict[str, float]:
+        """The summary's `rollout` (multi-turn runs; zeros otherwise): assistant turns per
+        trajectory, the share truncated by max_turns or the token budget, and seconds inside
+        the environment per trajectory."""
+        n = max(1, self.trajectories)
+        return {"trajectories": self.trajectories, "turns_mean": self.turns / n,
+                "truncated_fraction": self.truncated_trajectories / n,
+                "env_seconds_mean": self.env_seconds / n}
+
+    def record_trajectory(self, result) -> None:
+        """Count one trajectory (rl_async.loop.trajectory.TrajectoryResult)."""
+        if result.finish == "abort":
+            self.aborted_samples += 1
+            self.aborted_tokens += result.sampled_tokens + result.aborted_tokens
+            return
+        self.trajectories += 1
+        self.turns += result.turns
+        self.truncated_trajectories += int(result.truncated)
+        self.env_seconds += result.env_seconds
+        self.generated_tokens += result.sampled_tokens

@@ -103,8 +103,10 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.fully_async and not cfg.train.use_tis:
         errors.append("train.use_tis = false: TIS is always on in async runs (async.fully_async = "
                       "true); it corrects policy lag and engine/trainer mismatch")
-    if cfg.task.name in ("jsonl", "math") and not cfg.task.path:
-        errors.append(f"task.name = {cfg.task.name!r} needs task.path (a JSONL file of prompts)")
+    if cfg.task.name in ("jsonl", "math", "env") and not cfg.task.path:
+        errors.append(f"task.name = {cfg.task.name!r} needs task.path (a JSONL file of "
+                      f"{'rows for the environment' if cfg.task.name == 'env' else 'prompts'})")
+    errors += environment_errors(cfg)
     if cfg.task.name == "math" and (cfg.reward.function is None or "math_reward" in
                                     cfg.reward.function) and not math_reward.available():
         errors.append(f"task.name = 'math' grades answers with {math_reward.EXTRA}, which "
@@ -116,6 +118,36 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
         errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
                       f"{cfg.judge.max_replicas}")
+    return errors
+
+
+def environment_errors(cfg: RunConfig) -> list[str]:
+    """A multi-turn environment scores its own trajectories and drives its own turns."""
+    t = cfg.task
+    if t.name != "env":
+        return [f"task.env = {t.env!r} is set but task.name = {t.name!r}: set task.name = "
+                f"'env' to train on the environment"] if t.env is not None else []
+    errors = []
+    if t.env is None:
+        errors.append("task.name = 'env' needs task.env = 'package.module:factory' or "
+                      "'path/to/file.py:factory' (the environment, SPEC §12)")
+    else:  # import it now (not the factory: that may start sandboxes) rather than at run start
+        from rl_async.algo.environments import EnvironmentLoadError, import_target
+        try:
+            import_target(t.env)
+        except EnvironmentLoadError as exc:
+            errors.append(str(exc))
+    if cfg.refresh.mode == "mixed_policy":
+        errors.append("refresh.mode = 'mixed_policy' with task.name = 'env': a refresh "
+                      "rebuilds a single request's prefix under new weights, which needs the "
+                      "managed single-turn producer; use refresh.mode = 'off'")
+    if cfg.reward.function is not None or cfg.judge.enabled:
+        errors.append("task.name = 'env': the environment's score() is the reward; unset "
+                      "reward.function and judge.enabled")
+    budget, prompt = cfg.rollout.max_trajectory_tokens, cfg.rollout.max_prompt_len
+    if budget is not None and prompt is not None and budget <= prompt:
+        errors.append(f"rollout.max_trajectory_tokens = {budget} must exceed "
+                      f"rollout.max_prompt_len = {prompt}: a trajectory needs room to answer")
     return errors
 
 
@@ -151,6 +183,10 @@ _ONLY_FOR = (
     ("sglang.extra_args", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.ignore_eos", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.launch_module", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("rollout.max_trajectory_tokens", lambda c: c.task.name == "env",
+     "a multi-turn environment's budget"),
+    ("task.env_args", lambda c: c.task.name == "env", "a multi-turn environment's"),
+    ("task.env_timeout_s", lambda c: c.task.name == "env", "a multi-turn environment's"),
     ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),
     ("task.prompt_digits", lambda c: c.task.name == "successor", "the built-in task's"),
 )
@@ -171,7 +207,7 @@ def unused_key_warnings(cfg: RunConfig) -> list[Warning_]:
 def task_warnings(cfg: RunConfig) -> list[Warning_]:
     """What a task key means for this run that a user might not expect."""
     t = cfg.task
-    if t.name in ("jsonl", "math") and t.eval_path is None:
+    if t.name in ("jsonl", "math", "env") and t.eval_path is None:
         return [Warning_("EVAL_SPLIT_FROM_TRAIN", (
             f"task.eval_path is unset: task.num_eval_prompts = {t.num_eval_prompts} rows of "
             f"task.path are held out for evaluation and removed from training (chosen by a "

@@ -150,6 +150,10 @@ class RolloutSection(Section):
     # Longest prompt in tokens: the embedded engine refuses longer ones, and the memory plan
     # sizes sequences as max_prompt_len + max_response_len (it assumes 512 when unset).
     max_prompt_len: PositiveInt | None = None
+    # Multi-turn environments: tokens of a whole trajectory (prompt, every assistant and
+    # environment turn); reaching it truncates the trajectory (counted). None: no budget
+    # beyond max_turns x max_response_len per assistant turn.
+    max_trajectory_tokens: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _top_k(self) -> RolloutSection:
@@ -246,10 +250,16 @@ class PublicationSection(Section):
 class TaskSection(Section):
     # Built-in verifiable task, "jsonl" for prompt files (reward: the last number or \boxed{}
     # equals `answer`), or "math" (JSONL whose answers math-verify compares: the math extra).
-    name: Literal["successor", "jsonl", "math"] = "successor"
+    # "env": a multi-turn environment (SPEC §12) fed the rows of task.path.
+    name: Literal["successor", "jsonl", "math", "env"] = "successor"
     path: str | None = None
     eval_path: str | None = None
     num_eval_prompts: PositiveInt = 64
+    # task.name = "env": "package.module:factory" or "path/to/file.py:factory", called with
+    # env_args; every reset/step/score call must finish within env_timeout_s.
+    env: str | None = None
+    env_args: dict[str, Any] = Field(default_factory=dict)
+    env_timeout_s: PositiveFloat = 60.0
     # Built-in task: digits 0..modulus-1 in the prompt.
     modulus: int = Field(10, ge=2, le=100)
     prompt_digits: int = Field(3, ge=1, le=6)

@@ -320,6 +320,9 @@ class SimFleet:
         return {"engine_restarts": 0, "retried_requests": 0,
                 "failed_groups": self.producer.stats.failed_groups}
 
+    async def rollout(self) -> dict:
+        return self.producer.stats.rollout_summary()
+
     # ---- PublicationOps -------------------------------------------------------------------------
     async def _control(self) -> None:
         """Half of a control call's measured round trip (0 unless calibrated)."""

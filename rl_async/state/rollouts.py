@@ -40,7 +40,7 @@ def write_collection(run_dir: str | os.PathLike, step: int, version: int,
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     record = {"step": step, "trained_at_version": version,
-              "groups": [dataclasses.asdict(g) for g in groups]}
+              "groups": [_group_record(g) for g in groups]}
     # No name, mtime 0: the same collection gives the same bytes (recordings can be diffed)
     with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw,
                                                mtime=0) as f:
@@ -49,8 +49,29 @@ def write_collection(run_dir: str | os.PathLike, step: int, version: int,
     return path
 
 
+# Views added to each recorded sample (SPEC §12), dropped again on replay.
+_VIEWS = ("tokens", "versions")
+
+
+def _group_record(group: Group) -> dict[str, Any]:
+    """A group's fields, and per sample what was trained in one place: `tokens` (prompt and
+    response ids), `loss_mask` and `versions` (one per response token; masked tokens are the
+    environment's, version -1) and `turns`."""
+    record = dataclasses.asdict(group)
+    for s in record["samples"]:
+        s["tokens"] = s["prompt_ids"] + s["response_ids"]
+        s["loss_mask"] = s["loss_mask"] or [1] * len(s["response_ids"])
+        s["versions"] = s["token_versions"]
+    return record
+
+
 def group_from_dict(d: dict[str, Any]) -> Group:
-    samples = [Sample(**s) for s in d["samples"]]
+    samples = []
+    for s in d["samples"]:
+        fields = {k: v for k, v in s.items() if k not in _VIEWS}
+        if all(m == 1 for m in fields.get("loss_mask", ())):
+            fields["loss_mask"] = []  # all sampled: the single-turn form (same training)
+        samples.append(Sample(**fields))
     return Group(**{**d, "samples": samples})
 
 

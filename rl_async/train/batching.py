@@ -28,10 +28,16 @@ class TrainItem:
     token_versions: list[int]        # empty = unknown
     advantage: float = 0.0
     anchor_logprobs: list[float] | None = None
+    loss_mask: list[int] | None = None   # None = every response token is trained
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Response tokens the loss averages over: the sampled ones of a trajectory."""
+        return self.response_len if self.loss_mask is None else sum(self.loss_mask)
 
 
 def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
@@ -46,9 +52,13 @@ def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
     if sample.token_versions and len(sample.token_versions) != n:
         raise ValueError(f"{where}: {len(sample.token_versions)} token_versions for {n} "
                          f"response tokens; record one version per token or none")
+    if sample.loss_mask and len(sample.loss_mask) != n:
+        raise ValueError(f"{where}: {len(sample.loss_mask)} loss_mask entries for {n} "
+                         f"response tokens; a trajectory masks each token or none")
     return TrainItem(list(sample.prompt_ids), list(sample.response_ids),
                      [float(x) for x in sample.behavior_logprobs], list(sample.token_versions),
-                     float(advantage))
+                     float(advantage),
+                     loss_mask=[int(m) for m in sample.loss_mask] if sample.loss_mask else None)
 
 
 def micro_batches(items: Sequence[TrainItem], size: int,
@@ -111,7 +121,10 @@ def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0
         spans.append((b, e))
         if e == b:
             continue
-        mask[i, b:e] = True
+        if it.loss_mask is None:
+            mask[i, b:e] = True
+        else:  # environment tokens are context, not trained (SPEC §12)
+            mask[i, b:e] = torch.tensor(it.loss_mask, dtype=torch.bool)
         behavior[i, b:e] = torch.tensor(it.behavior_logprobs, dtype=torch.float32)
         adv[i, b:e] = it.advantage
         if it.token_versions:

@@ -239,7 +239,7 @@ class MegatronTrainer:
 
         cfg = self.cfg
         batches = self._micro_batches(items)
-        tokens = torch.tensor(float(sum(it.response_len for it in items)), device=self.device)
+        tokens = torch.tensor(float(sum(it.trained_tokens for it in items)), device=self.device)
         dp_group = parallel_state.get_data_parallel_group()
         dist.all_reduce(tokens, group=dp_group)
         # The schedule divides each micro-batch loss by their count and DDP averages over DP:

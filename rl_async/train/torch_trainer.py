@@ -266,7 +266,7 @@ class TorchTrainer:
         return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
 
     def _global_tokens(self, items: Sequence[TrainItem]) -> float:
-        local = float(sum(it.response_len for it in items))
+        local = float(sum(it.trained_tokens for it in items))
         sums, _ = reduce_stats({"tokens": local}, {}, self.world_size, self.device)
         return sums["tokens"]
 

@@ -157,6 +157,9 @@ class InProcessFleet:
     async def faults(self):
         return {"failed_groups": self.producer.stats.failed_groups}
 
+    async def rollout(self):
+        return self.producer.stats.rollout_summary()
+
     # ---- PublicationOps ----------------------------------------------------------------------
     async def snapshot(self):
         await asyncio.sleep(0)

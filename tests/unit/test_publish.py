@@ -179,6 +179,7 @@ class FakeFleet(FakeOps):
     async def progress_marker(self): return self.trains
     async def diagnosis(self): return {}
     async def faults(self): return {}
+    async def rollout(self): return {}
 
     async def metrics(self):
         return {}
