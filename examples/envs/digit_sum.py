@@ -1,0 +1,44 @@
+"""A multi-turn game for the CPU demo (cluster_configs/multiturn.toml): the environment reveals
+one digit per turn and, after the last one, the policy must answer the sum of all of them mod
+10. The first turns' answers are free (nothing is scored but the last), so the policy learns
+to carry what earlier turns showed through its own replies to the end.
+
+Rows (data/digit_sum/*.jsonl): {"id": "...", "digits": [3, 8]}. The protocol (SPEC §12):
+reset, step, score and max_turns; async, as the producer awaits them.
+"""
+
+from __future__ import annotations
+
+
+RULES = {"sum": lambda ds: sum(ds) % 10, "first": lambda ds: ds[0],
+         "first_plus_one": lambda ds: (ds[0] + 1) % 10}
+
+
+class DigitSum:
+    def __init__(self, digits: int = 2, rule: str = "sum"):
+        if rule not in RULES:
+            raise ValueError(f"rule = {rule!r}: one of {sorted(RULES)}")
+        self.max_turns = digits  # one assistant turn per revealed digit
+        self.rule = RULES[rule]
+
+    async def reset(self, row: dict):
+        digits = [int(d) for d in row["digits"]]
+        if len(digits) != self.max_turns:
+            raise ValueError(f"row {row.get('id')!r} has {len(digits)} digits, the game "
+                             f"plays {self.max_turns}")
+        return [{"role": "user", "content": str(digits[0])}], {"digits": digits, "shown": 1}
+
+    async def step(self, messages: list[dict], state: dict):
+        if state["shown"] == len(state["digits"]):
+            return [], True  # the answer is in; nothing more to reveal
+        state["shown"] += 1
+        return [{"role": "user", "content": str(state["digits"][state["shown"] - 1])}], False
+
+    async def score(self, messages: list[dict], state: dict) -> float:
+        answer = messages[-1]["content"].strip() if messages[-1]["role"] == "assistant" else ""
+        target = str(self.rule(state["digits"]))
+        return 1.0 if answer[:1] == target else 0.0
+
+
+def make_env(digits: int = 2, rule: str = "sum") -> DigitSum:
+    return DigitSum(digits, rule)
