@@ -1,7 +1,8 @@
 """A multi-turn game for the CPU demo (cluster_configs/multiturn.toml): the environment reveals
-one digit per turn and, after the last one, the policy must answer the sum of all of them mod
-10. The first turns' answers are free (nothing is scored but the last), so the policy learns
-to carry what earlier turns showed through its own replies to the end.
+one digit per turn and, after the last one, the policy must answer a rule of all of them:
+"first" (the demo: recall the first digit across a distractor turn), "first_plus_one", or
+"sum" (mod 10). The first turns' answers are free (nothing is scored but the last), so the
+policy learns to carry what earlier turns showed through its own replies to the end.
 
 Rows (data/digit_sum/*.jsonl): {"id": "...", "digits": [3, 8]}. The protocol (SPEC §12):
 reset, step, score and max_turns; async, as the producer awaits them.

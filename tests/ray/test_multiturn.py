@@ -1,0 +1,67 @@
+"""A multi-turn run on real actors (SPEC §12): the demo's environment, a short async run, and
+what was trained read back from the recording, decoded span by span."""
+
+import json
+from itertools import groupby
+from pathlib import Path
+
+import pytest
+
+from launch.run import run_training
+from rl_async.algo.chat import digit_tokenizer
+from rl_async.plan.checks import validate
+from rl_async.plan.load import load_config
+from rl_async.state.rollouts import read_collection
+
+pytestmark = pytest.mark.ray
+
+ROWS = Path(__file__).resolve().parents[2] / "data" / "digit_sum" / "rows.jsonl"
+
+
+def spans(sample):
+    """(masked?, token ids) runs of a sample's response, in order."""
+    pairs = zip(sample.loss_mask, sample.response_ids, sample.token_versions,
+                sample.behavior_logprobs)
+    return [(m, list(run)) for m, run in groupby(pairs, key=lambda p: p[0])]
+
+
+def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster, tmp_path):
+    cfg = load_config("cluster_configs/multiturn.toml", [
+        "run.max_steps=3", "wandb.mode=disabled", "rollout.rollout_batch_size=4",
+        "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
+        "train.micro_batch_size=16", "task.num_eval_prompts=8", "run.record_rollouts=true",
+        "sglang.max_running_requests=8", "run.name=t-multiturn", f"run.output_dir={tmp_path}"])
+    out = tmp_path / "summary.json"
+    assert run_training(cfg, validate(cfg), str(out)) == 0
+    summary = json.loads(out.read_text())
+    assert summary["ledger"]["unaccounted"] == 0 and summary["steps"] == 3
+    rollout = summary["rollout"]
+    # Every trajectory plays both digits (2 turns), none hits a budget, the env is timed.
+    assert rollout["trajectories"] >= 3 * 16 and rollout["turns_mean"] == 2.0
+    assert rollout["truncated_fraction"] == 0.0 and rollout["env_seconds_mean"] > 0
+
+    tok = digit_tokenizer()
+    digits = {r["id"]: r["digits"] for r in map(json.loads, ROWS.read_text().splitlines())}
+    run_dir = Path(summary["run_dir"])
+    for step in (1, 2, 3):
+        version, groups = read_collection(run_dir, step)
+        for sample in (s for g in groups for s in g.samples):
+            first, second = digits[sample.prompt_id]
+            assert sample.turns == 2
+            # The prompt is the template's first user turn: BOS, the first digit, "|".
+            assert tok.decode(sample.prompt_ids) == f"<s>{first}|"
+            runs = spans(sample)
+            # sampled (turn 1) | environment (the second digit) | sampled (turn 2)
+            assert [m for m, _ in runs] == [1, 0, 1], runs
+            for masked, run in runs:
+                versions = [v for _, _, v, _ in run]
+                if masked == 0:
+                    # The env's message as the template renders it, context only.
+                    text = tok.decode([t for _, t, _, _ in run])
+                    # (a turn cut at max_response_len is closed by the template: "</s>")
+                    assert text in (f"{second}|", f"</s>{second}|"), text
+                    assert versions == [-1] * len(run)
+                    assert all(lp == 0.0 for *_, lp in run)
+                else:  # engine tokens with their sampling versions
+                    assert all(0 <= v <= version for v in versions)
+                    assert all(lp <= 0.0 for *_, lp in run)
