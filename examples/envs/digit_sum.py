@@ -43,3 +43,33 @@ class DigitSum:
 
 def make_env(digits: int = 2, rule: str = "sum") -> DigitSum:
     return DigitSum(digits, rule)
+
+
+class DigitSumAgent:
+    """The same game as an agent environment: it runs its own loop and calls the model through
+    the run's OpenAI-compatible gateway (rl_async.loop.agent), the way an environment written
+    for an OpenAI client does. Same rows, rules and rewards as DigitSum."""
+
+    def __init__(self, digits: int = 2, rule: str = "sum"):
+        self.game = DigitSum(digits, rule)
+        self.max_turns = digits
+
+    async def rollout(self, row: dict, endpoint) -> float:
+        client = endpoint.openai_client()
+        try:
+            messages, state = await self.game.reset(row)
+            while True:
+                reply = await client.chat.completions.create(model=endpoint.model,
+                                                             messages=messages)
+                messages.append({"role": "assistant",
+                                 "content": reply.choices[0].message.content})
+                new, done = await self.game.step(messages, state)
+                if done:
+                    return await self.game.score(messages, state)
+                messages.extend(new)
+        finally:
+            await client.close()
+
+
+def make_agent_env(digits: int = 2, rule: str = "sum") -> DigitSumAgent:
+    return DigitSumAgent(digits, rule)

@@ -8,6 +8,12 @@ An environment is any object with
     async score(messages, state) -> float          the trajectory's reward
     max_turns: int                                 assistant turns at most
 
+or, for an environment that runs its own loop and calls the model through an OpenAI client
+(the gateway, rl_async.loop.agent), any object with
+
+    async rollout(row, endpoint) -> float          the whole episode, and its reward
+    max_turns: int (optional)                      model calls at most
+
 made by `factory(**task.env_args)`, where `task.env` is "package.module:factory" or
 "path/to/file.py:factory". Plain (non-async) methods are accepted too and run in a worker
 thread, so a blocking tool cannot stall the producer's event loop and its timeout still fires.
@@ -78,15 +84,23 @@ def load_environment(spec: str, args: dict[str, Any] | None = None):
                                    f"{type(exc).__name__}: {exc} (task.env_args = {args!r})"
                                    ) from exc
     missing = [m for m in ("reset", "step", "score") if not callable(getattr(env, m, None))]
-    if missing:
+    if missing and not is_agent(env):
         raise EnvironmentLoadError(f"task.env = {spec!r}: the environment lacks {missing} "
-                                   f"(SPEC §12: reset, step, score and max_turns)")
+                                   f"(SPEC §12: reset, step, score and max_turns; or rollout "
+                                   f"for one that calls the model through the gateway)")
     turns = getattr(env, "max_turns", None)
+    if is_agent(env) and turns is None:
+        return env  # a gateway environment may leave turns to the token budget
     if not isinstance(turns, int) or isinstance(turns, bool) or turns < 1:
         raise EnvironmentLoadError(f"task.env = {spec!r}: max_turns = {turns!r}; the "
                                    f"environment must say how many assistant turns it allows "
                                    f"(an int >= 1)")
     return env
+
+
+def is_agent(env) -> bool:
+    """An environment that drives the model itself through the gateway (`rollout`)."""
+    return callable(getattr(env, "rollout", None))
 
 
 async def call_env(env, method: str, args: tuple, timeout_s: float, where: str) -> Any:

@@ -134,20 +134,3 @@ class TrajectoryRunner:
         sample.behavior_logprobs.extend(float(x) for x in logprobs)
         sample.token_versions.extend(int(v) for v in versions)
         sample.loss_mask.extend([mask] * len(ids))
-
-
-def build_trajectory_runner(cfg) -> TrajectoryRunner:
-    """The environment of `task.env`, the model's chat template (the built-in digit one for a
-    config-built model) and the rollout limits, for a `task.name = "env"` run."""
-    from rl_async.algo.chat import digit_tokenizer
-    from rl_async.algo.environments import load_environment
-    from rl_async.algo.tasks import load_tokenizer, stop_token_ids
-
-    tokenizer = load_tokenizer(cfg.model) if cfg.model.path is not None else digit_tokenizer()
-    if tokenizer is None:
-        raise ValueError(f"task.name = 'env' needs a tokenizer with a chat template; "
-                         f"model.path = {cfg.model.path!r} has no tokenizer files")
-    renderer = ChatRenderer(tokenizer, stop_token_ids(cfg))
-    env = load_environment(cfg.task.env, cfg.task.env_args)
-    return TrajectoryRunner(env, renderer, TrajectoryLimits(
-        cfg.rollout.max_response_len, cfg.rollout.max_trajectory_tokens, cfg.task.env_timeout_s))

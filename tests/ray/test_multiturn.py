@@ -25,8 +25,13 @@ def spans(sample):
     return [(m, list(run)) for m, run in groupby(pairs, key=lambda p: p[0])]
 
 
-def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster, tmp_path):
+# make_env: our protocol (reset/step/score). make_agent_env: the same game running its own
+# loop through the gateway with a real openai client, inside the producer actor.
+@pytest.mark.parametrize("factory", ["make_env", "make_agent_env"])
+def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster, tmp_path,
+                                                                    factory):
     cfg = load_config("cluster_configs/multiturn.toml", [
+        f"task.env=examples/envs/digit_sum.py:{factory}",
         "run.max_steps=3", "wandb.mode=disabled", "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
         "train.micro_batch_size=16", "task.num_eval_prompts=8", "run.record_rollouts=true",
