@@ -26,8 +26,10 @@ class PromptSourceActor:
     def __init__(self, cfg: RunConfig):
         vocab = model_vocab_size(cfg.model)
         tok = load_tokenizer(cfg.model)  # text rows go through its chat template
-        self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok), cfg.run.seed)
-        self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok)[: cfg.task.num_eval_prompts]
+        seed = cfg.run.seed
+        self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok, seed), seed)
+        self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok, seed)[
+            : cfg.task.num_eval_prompts]
         self.meter = CpuMeter()
         n = cfg.rollout.n_samples_per_prompt
         self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),

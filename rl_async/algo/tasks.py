@@ -213,13 +213,15 @@ def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) 
 
 
 def build_prompts(task_cfg, vocab_size: int, split: str = "train",
-                  tokenizer=None) -> list[Prompt]:
+                  tokenizer=None, seed: int = 0) -> list[Prompt]:
     """Prompts for a TaskSection: `split` is "train" or "eval". Without `task.eval_path`,
     `task.num_eval_prompts` rows of `task.path` are held out for evaluation and removed
     from training (`held_out_split`), so a held-out reward is never measured on training
     prompts."""
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
+    if task_cfg.name == "reasoning_gym":
+        return reasoning_gym_prompts(task_cfg, tokenizer, seed, split)
     load = load_jsonl
     if task_cfg.name == "env":  # rows for the environment's reset, not prompts
         from rl_async.algo.environments import env_rows
@@ -232,6 +234,31 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     train, held = held_out_split(load(task_cfg.path, tokenizer, vocab_size),
                                  task_cfg.num_eval_prompts, task_cfg.path)
     return train if split == "train" else held
+
+
+def reasoning_gym_prompts(task_cfg, tokenizer, seed: int, split: str) -> list[Prompt]:
+    """reasoning-gym entries as chat prompts (rl_async.algo.reasoning_gym_task); held-out
+    questions never appear in training."""
+    from rl_async.algo import reasoning_gym_task as rg
+
+    if tokenizer is None:
+        raise DatasetError("task.name = 'reasoning_gym' needs model.path with a tokenizer "
+                           "(its questions are text)")
+    system = rg.system_prompt()
+    prompts = [Prompt(prompt_id=row["id"], metadata=row, prompt_ids=encode_messages(
+        tokenizer, [{"role": "system", "content": system},
+                    {"role": "user", "content": row["question"]}]))
+        for row in rg.rows(task_cfg.dataset, task_cfg.dataset_args, seed)]
+    where = f"reasoning_gym:{task_cfg.dataset}"
+    train, held = held_out_split(prompts, task_cfg.num_eval_prompts, where)
+    if split != "train":
+        return held
+    seen = {p.metadata["question"] for p in held}
+    train = [p for p in train if p.metadata["question"] not in seen]
+    if not train:
+        raise DatasetError(f"{where}: every question is also a held-out one; raise "
+                           f"task.dataset_args.size or lower task.num_eval_prompts")
+    return train
 
 
 def held_out_split(prompts: list[Prompt], n: int, where: str) -> tuple[list[Prompt], list[Prompt]]:
@@ -322,7 +349,8 @@ def answer_match_reward(sample: Sample) -> float:
 
 def default_reward_path(task_cfg) -> str:
     return {"successor": "rl_async.algo.tasks:successor_reward",
-            "math": "rl_async.algo.math_reward:math_reward"}.get(
+            "math": "rl_async.algo.math_reward:math_reward",
+            "reasoning_gym": "rl_async.algo.reasoning_gym_task:reasoning_gym_reward"}.get(
                 task_cfg.name, "rl_async.algo.tasks:answer_match_reward")
 
 

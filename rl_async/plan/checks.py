@@ -107,6 +107,7 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         errors.append(f"task.name = {cfg.task.name!r} needs task.path (a JSONL file of "
                       f"{'rows for the environment' if cfg.task.name == 'env' else 'prompts'})")
     errors += environment_errors(cfg)
+    errors += reasoning_gym_errors(cfg)
     if cfg.task.name == "math" and (cfg.reward.function is None or "math_reward" in
                                     cfg.reward.function) and not math_reward.available():
         errors.append(f"task.name = 'math' grades answers with {math_reward.EXTRA}, which "
@@ -118,6 +119,33 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
         errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
                       f"{cfg.judge.max_replicas}")
+    return errors
+
+
+def reasoning_gym_errors(cfg: RunConfig) -> list[str]:
+    """task.name = 'reasoning_gym': the library, a dataset it knows, arguments it accepts."""
+    from rl_async.algo import reasoning_gym_task as rg
+
+    t = cfg.task
+    if t.name != "reasoning_gym":
+        return []
+    if not rg.available():
+        return [f"task.name = 'reasoning_gym' needs {rg.EXTRA}, which is not installed"]
+    errors = []
+    if not cfg.model.path:
+        errors.append("task.name = 'reasoning_gym' needs model.path (a model with a "
+                      "tokenizer: its questions are text)")
+    if t.dataset is None:
+        return errors + ["task.name = 'reasoning_gym' needs task.dataset = '<name>' (a "
+                         "reasoning-gym dataset, e.g. 'basic_arithmetic')"]
+    try:
+        rg.create(t.dataset, t.dataset_args, cfg.run.seed, size=1)
+    except rg.ReasoningGymError as exc:
+        errors.append(str(exc))
+    size = t.dataset_args.get("size", 1000)
+    if isinstance(size, int) and size <= t.num_eval_prompts:
+        errors.append(f"task.dataset_args.size = {size} <= task.num_eval_prompts = "
+                      f"{t.num_eval_prompts}: nothing would be left to train on")
     return errors
 
 
@@ -187,6 +215,8 @@ _ONLY_FOR = (
      "a multi-turn environment's budget"),
     ("task.env_args", lambda c: c.task.name == "env", "a multi-turn environment's"),
     ("task.env_timeout_s", lambda c: c.task.name == "env", "a multi-turn environment's"),
+    ("task.dataset", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
+    ("task.dataset_args", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
     ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),
     ("task.prompt_digits", lambda c: c.task.name == "successor", "the built-in task's"),
 )

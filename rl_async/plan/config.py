@@ -251,7 +251,8 @@ class TaskSection(Section):
     # Built-in verifiable task, "jsonl" for prompt files (reward: the last number or \boxed{}
     # equals `answer`), or "math" (JSONL whose answers math-verify compares: the math extra).
     # "env": a multi-turn environment (SPEC §12) fed the rows of task.path.
-    name: Literal["successor", "jsonl", "math", "env"] = "successor"
+    # "reasoning_gym": reasoning-gym's generator `dataset` (the envs extra).
+    name: Literal["successor", "jsonl", "math", "env", "reasoning_gym"] = "successor"
     path: str | None = None
     eval_path: str | None = None
     num_eval_prompts: PositiveInt = 64
@@ -260,6 +261,10 @@ class TaskSection(Section):
     env: str | None = None
     env_args: dict[str, Any] = Field(default_factory=dict)
     env_timeout_s: PositiveFloat = 60.0
+    # task.name = "reasoning_gym": a dataset name and its config table (size: entries
+    # generated, 1000 by default; the seed is run.seed).
+    dataset: str | None = None
+    dataset_args: dict[str, Any] = Field(default_factory=dict)
     # Built-in task: digits 0..modulus-1 in the prompt.
     modulus: int = Field(10, ge=2, le=100)
     prompt_digits: int = Field(3, ge=1, le=6)

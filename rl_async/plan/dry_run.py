@@ -58,7 +58,7 @@ def dry_run_config(cfg: RunConfig, overrides: tuple[str, ...] | list[str] = ()
     if cfg.task.name != "successor":
         notes.append(f"task {cfg.task.name!r} -> the built-in successor task (no prompt files "
                      f"or tokenizer needed; rewards score random tokens)")
-    data["task"].update(name="successor", path=None, eval_path=None)
+    data["task"].update(name="successor", path=None, eval_path=None, env=None, dataset=None)
     data["reward"]["function"] = None
     data["rollout"]["stop_token_ids"] = None
     if cfg.judge.enabled:

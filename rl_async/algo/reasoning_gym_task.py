@@ -1,0 +1,98 @@
+"""`task.name = "reasoning_gym"`: prompts and answers from reasoning-gym's procedural
+generators, rewards from the dataset's own `score_answer` (the `envs` extra:
+`pip install -e '.[envs]'`; `validate` refuses the task without it).
+
+    [task]
+    name = "reasoning_gym"
+    dataset = "basic_arithmetic"                       # any reasoning_gym dataset name
+    dataset_args = { size = 1000, min_terms = 2 }      # its config table (seed: run.seed)
+
+One dataset of `size` entries is generated from `run.seed`; `task.num_eval_prompts` of them
+are held out by the usual hash split, and training drops any entry whose question is also a
+held-out one (small generators repeat questions). Each prompt is the library's default system
+prompt (answer inside <answer></answer>) and the question, through the model's chat template.
+The reward extracts the last <answer> span with the library's `extract_answer` (a response
+without one is scored on its last non-empty line, so small models get partial signal) and
+hands it to the dataset's `score_answer(answer, entry)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from typing import Any
+
+from rl_async.base.types import Sample
+
+EXTRA = "reasoning-gym (pip install -e '.[envs]')"
+
+
+class ReasoningGymError(ValueError):
+    """task.dataset / task.dataset_args do not make a reasoning-gym dataset."""
+
+
+def available() -> bool:
+    return importlib.util.find_spec("reasoning_gym") is not None
+
+
+def create(name: str, args: dict[str, Any], seed: int, size: int | None = None):
+    """The dataset (of `size` entries when given, else the table's), or a ReasoningGymError
+    naming the key and the library's complaint."""
+    import reasoning_gym
+
+    if name not in reasoning_gym.factory.DATASETS:
+        close = sorted(n for n in reasoning_gym.factory.DATASETS if name[:4] in n)[:8]
+        raise ReasoningGymError(f"task.dataset = {name!r} is not a reasoning-gym dataset"
+                                f"{f' (close: {close})' if close else ''}")
+    try:
+        table = {"size": 1000, **args, "seed": seed}
+        if size is not None:
+            table["size"] = size
+        return reasoning_gym.create_dataset(name, **table)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ReasoningGymError(f"task.dataset_args = {args!r} for {name!r}: {exc}") from None
+
+
+def rows(name: str, args: dict[str, Any], seed: int) -> list[dict[str, Any]]:
+    """Every entry as a JSON-safe row: question, answer and the entry for score_answer."""
+    out = []
+    for i, entry in enumerate(create(name, args, seed)):
+        safe = json.loads(json.dumps(entry, default=str))  # tuples -> lists, like a file row
+        out.append({"id": f"{name}-{i}", "question": safe["question"],
+                    "answer": str(safe["answer"]), "rg_dataset": name, "rg_entry": safe})
+    return out
+
+
+def system_prompt() -> str:
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    return SYSTEM_PROMPTS["default"]
+
+
+@functools.lru_cache(maxsize=None)
+def _scorer(name: str):
+    import reasoning_gym
+
+    return reasoning_gym.get_score_answer_fn(name)
+
+
+def extract(text: str) -> str | None:
+    from reasoning_gym.utils import extract_answer
+
+    answer = extract_answer(text)
+    if answer is None:
+        lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        answer = lines[-1] if lines else None
+    return answer
+
+
+def reasoning_gym_reward(sample: Sample) -> float:
+    """The dataset's own score_answer of the extracted answer (0..1)."""
+    text = sample.metadata.get("response_text")
+    entry = sample.metadata.get("rg_entry")
+    if text is None or entry is None:
+        raise KeyError(f"prompt {sample.prompt_id!r}: reasoning_gym_reward needs metadata "
+                       f"'rg_entry' (task.name = 'reasoning_gym') and a decoded 'response_text' "
+                       f"(set model.path)")
+    return float(_scorer(sample.metadata["rg_dataset"])(extract(text), entry))
