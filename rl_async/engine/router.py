@@ -137,11 +137,11 @@ class Router:
                 "remembered_groups": len(self._groups)}
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
-                       group_id: str | None = None, request_id: str | None = None
-                       ) -> tuple[int, GenerateOutput]:
+                       group_id: str | None = None, request_id: str | None = None,
+                       sticky: bool = False) -> tuple[int, GenerateOutput]:
         """Route one request to a local `Engine`; returns (engine index, output)."""
         cost = len(input_ids) + sampling_params.max_new_tokens
-        index = self.pick(group_id, cost)
+        index = self.pick(group_id, cost, sticky)
         try:
             out = await self.engines[index].generate(input_ids, sampling_params, request_id)
         finally:

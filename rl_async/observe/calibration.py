@@ -24,6 +24,9 @@ while it runs (no extra actor calls):
 - the engines' own decode curve where they measure it (embedded and synthetic engines:
   step seconds = base + per request x requests in the step, least squares over the run,
   mean over engines; rl_async.engine.timing.StepCurve), which gives the curve's shape;
+- multi-turn runs (SPEC §12): turns per trajectory, the environment's tokens between turns
+  and its seconds per turn; response lengths are then per assistant turn (sampled tokens over
+  turns), as each turn is one generate call;
 - the producer's mean seconds per generate call, prompt fetch and reward call (a sample's
   permit is held through all three), and a request's mean seconds inside the engine
   (arrival to answer, rl_async.engine.timing.RequestLatency): the difference between the two
@@ -88,6 +91,9 @@ class CalibrationStats:
         self.step_curve: dict[str, float] | None = None  # the latest engines' fit
         self.evals = 0
         self.eval_seconds = 0.0
+        self.trajectories = 0        # multi-turn samples trained
+        self.turn_sum = 0
+        self.env_token_sum = 0       # masked (environment) tokens between turns
 
     def observe_eval(self, seconds: float) -> None:
         self.evals += 1
@@ -97,6 +103,12 @@ class CalibrationStats:
         for g in groups:
             for s in g.samples:
                 n = len(s.response_ids)
+                if s.turns > 0:  # a trajectory: one length per turn (a generate call each)
+                    sampled = sum(s.loss_mask) if s.loss_mask else n
+                    self.trajectories += 1
+                    self.turn_sum += s.turns
+                    self.env_token_sum += n - sampled
+                    n = round(sampled / s.turns)
                 self.n += 1
                 self.len_sum += n
                 self.prompt_sum += len(s.prompt_ids)
@@ -138,7 +150,8 @@ class CalibrationStats:
             self.generated_tokens = float(metrics.get("producer/generated_tokens", 0.0))
             self.producer = {k: float(metrics.get(f"producer/{k}", 0.0)) for k in (
                 "submitted_samples", "fetch_seconds", "fetches", "score_seconds",
-                "scored_samples", "transit_seconds", "transit_samples")}
+                "scored_samples", "transit_seconds", "transit_samples", "env_seconds",
+                "turns")}
             self.generation_busy_seconds = float(
                 metrics.get("producer/generation_busy_seconds", 0.0))
 
@@ -196,6 +209,13 @@ class CalibrationStats:
                         "mean_in_flight_per_engine": in_flight,
                         "decode_curve": self.step_curve,
                         "request_latency_s": self.engine_latency},
+            "turns": None if not self.trajectories else {
+                "trajectories": self.trajectories,
+                "turns_mean": self.turn_sum / self.trajectories,
+                # between consecutive turns: (turns - 1) gaps per trajectory
+                "env_tokens_per_gap": self.env_token_sum / max(1, self.turn_sum
+                                                               - self.trajectories),
+                "env_seconds_per_turn": _per(p.get("env_seconds"), p.get("turns")) or 0.0},
             "producer": {  # mean seconds per call, as the producer saw them, at this budget
                 "budget_samples": producer_samples,
                 "request_latency_s": _per(self.generation_seconds, p.get("submitted_samples")),

@@ -57,7 +57,7 @@ from typing import Any
 from rl_async.plan.capacity import plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.engine.timing import EngineTiming, ResponseLengths, TrainerTiming, TransferTiming
-from rl_async.sim.timings import SimTimings
+from rl_async.sim.timings import SimTimings, TurnTiming
 
 SYNTHETIC = "[synthetic] defaults (7-8B bf16, H100/H200, SGLang; rl_async/engine/timing.py)"
 
@@ -96,6 +96,9 @@ def _synthetic(cfg: RunConfig, label: str) -> tuple[SimTimings, dict[str, str]]:
     sources["eval"] = "simulated generation only (--calibrate measures the whole evaluation)"
     sources["producer_calls"] = "not modelled (0 s; --calibrate measures them)"
     sources["transit"] = "not modelled (0 s; --calibrate on an embedded-engine run measures it)"
+    sources["turns"] = ("one generate call per sample" + (
+        ": a multi-turn environment's turns need --calibrate from one of its runs"
+        if cfg.task.name == "env" else ""))
     return timings, sources
 
 
@@ -116,6 +119,12 @@ def sim_timings(cfg: RunConfig, calibration: dict[str, Any] | None = None,
         if calibration.get("prompt_tokens_mean"):
             t = replace(t, prompt_tokens=max(1, round(calibration["prompt_tokens_mean"])))
             sources["prompt_tokens"] = src
+    turns = calibration.get("turns") or {}
+    if turns.get("trajectories"):
+        t = replace(t, turns=TurnTiming(float(turns["turns_mean"]),
+                                        float(turns["env_tokens_per_gap"]),
+                                        float(turns["env_seconds_per_turn"])))
+        sources["turns"] = src + " (turns, environment tokens and seconds per turn)"
     trainer = calibration.get("trainer") or {}
     if trainer.get("samples"):
         t = replace(t, trainer=TrainerTiming(float(trainer["seconds_per_sample"])))

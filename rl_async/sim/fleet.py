@@ -26,6 +26,7 @@ call's, a collection's transport, the controller's own time per step, publicatio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 from rl_async.base import clock
@@ -40,6 +41,7 @@ from rl_async.loop.ledger import PromptLedger
 from rl_async.loop.producer import Producer, ProducerLimits
 from rl_async.observe.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
 from rl_async.sim.timings import SimTimings
+from rl_async.sim.turns import SimTrajectory
 from rl_async.base.types import Group, Sample
 
 OUTCOMES = ("delivered", "dropped", "evicted", "aborted")
@@ -157,12 +159,14 @@ class SimFleet:
             plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
             overflow=a.buffer_overflow, on_discard=self._on_discard,
             on_insert=self.book.mark_buffered, on_deliver=self._on_deliver)
+        trajectory = None if timings.turns is None else SimTrajectory(
+            timings.turns, self.rng, r.max_response_len, r.max_trajectory_tokens)
         self.producer = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, n,
                            plan.http_slots),
             next_group=self._next_group, generate=self._generate, score=self._score,
             put=self._put, on_aborted=self._on_aborted, on_failed=self._on_failed,
-            next_groups=self._next_groups)
+            next_groups=self._next_groups, trajectory=trajectory)
         self.trained_samples = 0
         self.eval_seconds = 0.0
         self.publications = 0
@@ -195,16 +199,22 @@ class SimFleet:
             await asyncio.sleep(self.timings.fetch_latency_s)
         return [self.book.next_group() for _ in range(n)]
 
-    async def _generate(self, sample: Sample, group_id: str) -> GenerateOutput:
-        return await self._call_engine(sample.prompt_ids, group_id)
+    async def _generate(self, sample: Sample, group_id: str,
+                        max_new_tokens: int | None = None) -> GenerateOutput:
+        return await self._call_engine(sample.prompt_ids, group_id, max_new_tokens)
 
-    async def _call_engine(self, prompt: list[int], key: str) -> GenerateOutput:
+    async def _call_engine(self, prompt: list[int], key: str,
+                           max_new_tokens: int | None = None) -> GenerateOutput:
         """One generate call; a calibrated round trip outside the engine (actor calls, the
-        producer's loop) is paid half on the way there, half on the way back."""
+        producer's loop) is paid half on the way there, half on the way back. A turn of a
+        trajectory (`max_new_tokens` given) stays on the trajectory's engine."""
         half = self.timings.request_transit_s / 2
         if half:
             await asyncio.sleep(half)
-        _index, out = await self.router.generate(prompt, self.sampling, key)
+        params = self.sampling if max_new_tokens is None else dataclasses.replace(
+            self.sampling, max_new_tokens=max_new_tokens)
+        _index, out = await self.router.generate(prompt, params, key,
+                                                 sticky=max_new_tokens is not None)
         if half:
             await asyncio.sleep(half)
         return out

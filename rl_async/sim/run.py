@@ -116,6 +116,7 @@ def prediction(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, fleet: S
         "steps_per_hour": _fraction(summary["steps"], wall) * 3600,
         "useful_tokens_per_s": summary["throughput"]["useful_tokens_per_s"],
         "ledger": ledger,
+        **({"rollout": summary["rollout"]} if timings.turns is not None else {}),
     }
 
 

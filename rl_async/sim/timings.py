@@ -9,6 +9,17 @@ from rl_async.engine.timing import EngineTiming, ResponseLengths, TrainerTiming,
 
 
 @dataclass(frozen=True)
+class TurnTiming:
+    """Multi-turn trajectories (SPEC §12), from a calibration: assistant turns per trajectory
+    (a fractional mean draws floor or ceil), the environment's tokens between two turns and
+    its seconds after each turn (step, and reset/score spread over the turns)."""
+
+    turns_mean: float
+    env_tokens_per_gap: float
+    env_seconds_per_turn: float
+
+
+@dataclass(frozen=True)
 class SimTimings:
     """Every number the simulation takes from outside the core, and where each came from."""
 
@@ -39,4 +50,6 @@ class SimTimings:
     # The producer's prompt fetch and reward call (actor round trips; 0 unless calibrated).
     fetch_latency_s: float = 0.0
     score_latency_s: float = 0.0
+    # Multi-turn: None simulates one generate call per sample.
+    turns: TurnTiming | None = None
     sources: dict[str, str] = field(default_factory=dict)

@@ -10,7 +10,10 @@ import pytest
 from launch.run import run_training
 from rl_async.algo.chat import digit_tokenizer
 from rl_async.plan.checks import validate
+from rl_async.plan.capacity import plan_capacity
 from rl_async.plan.load import load_config
+from rl_async.sim.calibrate import sim_timings
+from rl_async.sim.run import simulate
 from rl_async.state.rollouts import read_collection
 
 pytestmark = pytest.mark.ray
@@ -44,6 +47,13 @@ def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster,
     # Every trajectory plays both digits (2 turns), none hits a budget, the env is timed.
     assert rollout["trajectories"] >= 3 * 16 and rollout["turns_mean"] == 2.0
     assert rollout["truncated_fraction"] == 0.0 and rollout["env_seconds_mean"] > 0
+
+    # The calibration carries the turn structure, and the simulator plays it back.
+    turns = summary["calibration"]["turns"]
+    assert turns["turns_mean"] == 2.0 and turns["env_tokens_per_gap"] > 0
+    timings = sim_timings(cfg, summary["calibration"])
+    predicted = simulate(cfg, plan_capacity(cfg)[0], timings, steps=2)
+    assert predicted["rollout"]["turns_mean"] == 2.0
 
     tok = digit_tokenizer()
     digits = {r["id"]: r["digits"] for r in map(json.loads, ROWS.read_text().splitlines())}

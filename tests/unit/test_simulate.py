@@ -150,11 +150,13 @@ def test_run_calibration_records_what_the_simulator_reads():
     # no engine-side latency, no producer latencies in this summary: those stay unmodelled
     assert t.request_transit_s == 0 and t.sources.pop("transit").startswith("not modelled")
     assert t.sources.pop("producer_calls").startswith("not modelled")
+    assert t.turns is None and t.sources.pop("turns") == "one generate call per sample"
     assert all(src.startswith("measured (run.json)") for src in t.sources.values())
     defaults = sim_timings(cfg).sources
     for key in ("controller", "collection_transport", "producer_calls", "transit"):
         assert defaults.pop(key).startswith("not modelled")
     assert defaults.pop("eval").startswith("simulated generation only")
+    assert defaults.pop("turns") == "one generate call per sample"
     assert set(defaults.values()) == {SYNTHETIC}
 
 
