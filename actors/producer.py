@@ -28,7 +28,7 @@ from rl_async.algo.rewards import RewardError
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.seeding import eval_seed, turn_seed
 from rl_async.loop.environment_runner import build_environment_runner
-from rl_async.algo.tasks import stop_token_ids
+from rl_async.algo.tasks import ENV_TASKS, stop_token_ids
 from rl_async.base.types import Sample
 
 
@@ -58,7 +58,8 @@ class ProducerActor:
         self.score_batcher = MicroBatcher(self._score_batch)
         self.put_batcher = MicroBatcher(self._put_batch)  # the groups finished in one tick
         self.sampling = sampling_params(cfg)
-        self.trajectory = build_environment_runner(cfg) if cfg.task.name == "env" else None
+        self.trajectory = (build_environment_runner(cfg) if cfg.task.name in ENV_TASKS
+                           else None)
         self.core = Producer(
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),

@@ -64,16 +64,21 @@ class ChatRenderer:
         # What the template writes after an assistant's content ("</s>", "<|im_end|>\n").
         self.turn_suffix = text[at + len(_SENTINEL):]
 
-    def text(self, messages: list[dict], generation_prompt: bool) -> str:
+    def text(self, messages: list[dict], generation_prompt: bool,
+             tools: list[dict] | None = None) -> str:
+        # `tools` (OpenAI function schemas) reach the template, which renders them where it
+        # supports tools and ignores them otherwise.
+        extra = {"tools": tools} if tools else {}
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt,
+                                                  **extra)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
 
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
+    def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """The conversation so far, ready for the assistant's first turn."""
-        return self.encode(self.text(messages, generation_prompt=True))
+        return self.encode(self.text(messages, generation_prompt=True, tools=tools))
 
     def assistant_text(self, sampled_ids: list[int]) -> str:
         """The assistant message the environment sees: the sampled tokens decoded, without
@@ -89,12 +94,13 @@ class ChatRenderer:
         return self.turn_suffix
 
     def continuation_ids(self, conversation: list[dict], sampled_ids: list[int],
-                         new_messages: list[dict]) -> list[int]:
+                         new_messages: list[dict], tools: list[dict] | None = None
+                         ) -> list[int]:
         """Token ids that follow the sampled turn: the rest of the turn's closing, the new
         messages as the template renders them, and the next turn's generation prompt.
         `conversation` ends with the assistant message of `sampled_ids`."""
-        before = self.text(conversation, generation_prompt=False)
-        after = self.text(conversation + new_messages, generation_prompt=True)
+        before = self.text(conversation, generation_prompt=False, tools=tools)
+        after = self.text(conversation + new_messages, generation_prompt=True, tools=tools)
         if not after.startswith(before):
             # Templates that rewrite history (e.g. drop earlier reasoning once a new user
             # turn arrives): the new messages' rendering after a neutral conversation.

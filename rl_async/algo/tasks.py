@@ -40,6 +40,10 @@ class DatasetError(ValueError):
     """A bad dataset row; the message names the file, the line and the field."""
 
 
+# Tasks whose samples are trajectories an environment plays and scores (SPEC §12).
+ENV_TASKS = ("env", "verifiers")
+
+
 @dataclass(frozen=True)
 class Prompt:
     prompt_id: str
@@ -221,7 +225,10 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
     if task_cfg.name == "reasoning_gym":
-        return reasoning_gym_prompts(task_cfg, tokenizer, seed, split)
+        return reasoning_gym_prompts(task_cfg.dataset, task_cfg.dataset_args,
+                                     task_cfg.num_eval_prompts, tokenizer, seed, split)
+    if task_cfg.name == "verifiers":
+        return verifiers_prompts(task_cfg, split)
     load = load_jsonl
     if task_cfg.name == "env":  # rows for the environment's reset, not prompts
         from rl_async.algo.environments import env_rows
@@ -236,7 +243,28 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     return train if split == "train" else held
 
 
-def reasoning_gym_prompts(task_cfg, tokenizer, seed: int, split: str) -> list[Prompt]:
+def verifiers_prompts(task_cfg, split: str) -> list[Prompt]:
+    """A verifiers environment's rows (rl_async.algo.verifiers_env): its eval_dataset for
+    evaluation when it has one, else a hash split of its dataset."""
+    from rl_async.algo import verifiers_env
+
+    env = verifiers_env.load(task_cfg.env, task_cfg.env_args)
+
+    def prompts(rows: list[dict], part: str) -> list[Prompt]:
+        return [Prompt(prompt_id=str(r.get("example_id", i)), prompt_ids=[],
+                       metadata={"row": r, "where": f"verifiers:{task_cfg.env}:{part}[{i}]"})
+                for i, r in enumerate(rows)]
+
+    train = prompts(verifiers_env.rows(env, "train"), "dataset")
+    held = verifiers_env.rows(env, "eval")
+    if held is not None:
+        return train if split == "train" else prompts(held, "eval_dataset")
+    train, held = held_out_split(train, task_cfg.num_eval_prompts, f"verifiers:{task_cfg.env}")
+    return train if split == "train" else held
+
+
+def reasoning_gym_prompts(dataset: str, args: dict, num_eval: int, tokenizer, seed: int,
+                          split: str) -> list[Prompt]:
     """reasoning-gym entries as chat prompts (rl_async.algo.reasoning_gym_task); held-out
     questions never appear in training."""
     from rl_async.algo import reasoning_gym_task as rg
@@ -248,9 +276,9 @@ def reasoning_gym_prompts(task_cfg, tokenizer, seed: int, split: str) -> list[Pr
     prompts = [Prompt(prompt_id=row["id"], metadata=row, prompt_ids=encode_messages(
         tokenizer, [{"role": "system", "content": system},
                     {"role": "user", "content": row["question"]}]))
-        for row in rg.rows(task_cfg.dataset, task_cfg.dataset_args, seed)]
-    where = f"reasoning_gym:{task_cfg.dataset}"
-    train, held = held_out_split(prompts, task_cfg.num_eval_prompts, where)
+        for row in rg.rows(dataset, args, seed)]
+    where = f"reasoning_gym:{dataset}"
+    train, held = held_out_split(prompts, num_eval, where)
     if split != "train":
         return held
     seen = {p.metadata["question"] for p in held}
@@ -301,7 +329,7 @@ def stop_token_ids(cfg) -> tuple[int, ...]:
     """rollout.stop_token_ids, else the built-in task's EOS, else the model's eos_token_id."""
     if cfg.rollout.stop_token_ids is not None:
         return tuple(cfg.rollout.stop_token_ids)
-    if cfg.task.name == "successor" or (cfg.task.name == "env" and cfg.model.path is None):
+    if cfg.task.name == "successor" or (cfg.task.name in ENV_TASKS and cfg.model.path is None):
         return (EOS,)  # the built-in vocabulary's EOS (the digit chat template's turn end)
     if cfg.model.path is None:
         return ()

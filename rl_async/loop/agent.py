@@ -23,6 +23,8 @@ truncated. `task.env_timeout_s` bounds the whole rollout (generation included).
 from __future__ import annotations
 
 import itertools
+import json
+import re
 from dataclasses import dataclass, field
 
 from rl_async.algo.chat import ChatRenderer
@@ -71,6 +73,35 @@ class Reply:
     logprobs: list[float]
     finish_reason: str     # "stop" | "length"
     prompt_ids: list[int]
+    content: str | None = None                       # text less parsed tool calls
+    tool_calls: list[dict] = field(default_factory=list)
+
+
+# Hermes-style tool calls (Qwen2.5/3, Hermes, SmolLM3 and most open chat templates):
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> in the sampled text.
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict]]:
+    """(content without the parsed calls, OpenAI tool_calls). A block that is not a JSON
+    object with a string `name` stays in the content, as the model wrote it."""
+    calls: list[dict] = []
+
+    def take(match: re.Match) -> str:
+        try:
+            obj = json.loads(match.group(1))
+        except ValueError:
+            return match.group(0)
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            return match.group(0)
+        args = obj.get("arguments", {})
+        calls.append({"id": f"call_{turn}_{len(calls)}", "type": "function",
+                      "function": {"name": obj["name"], "arguments": args if isinstance(
+                          args, str) else json.dumps(args)}})
+        return ""
+
+    content = _TOOL_CALL.sub(take, text)
+    return (content.strip() if calls else content), calls
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -95,6 +126,7 @@ class AgentTrajectory:
     aborted: bool = False
     error: BaseException | None = None                  # what a call raised (re-raised)
     kind: str | None = None                             # "chat" | "completions"
+    tools: list[dict] | None = None                     # the first chat call's tools
 
     def _kind(self, kind: str) -> None:
         if self.kind not in (None, kind):
@@ -116,15 +148,19 @@ class AgentTrajectory:
         if self.aborted:  # a client that retries after the 503 gets it again
             raise TrajectoryAborted("an engine aborted this trajectory; its group is regenerated")
 
-    async def chat(self, messages: list[dict], max_tokens: int | None) -> Reply:
+    async def chat(self, messages: list[dict], max_tokens: int | None,
+                   tools: list[dict] | None = None) -> Reply:
         self._check_open()
         self._kind("chat")
         if not messages:
             raise GatewayRefusal("messages is empty")
         if self.sample.turns == 0 and not self.sample.prompt_ids:
-            self.sample.prompt_ids = self.renderer.prompt_ids(messages)
-            self.messages = list(messages)
+            self.sample.prompt_ids = self.renderer.prompt_ids(messages, tools)
+            self.messages, self.tools = list(messages), tools
         else:
+            if (tools or None) != self.tools:
+                raise GatewayRefusal("tools differ from the trajectory's first call (the "
+                                     "prompt rendered them; they cannot change mid-way)")
             prior = self.messages
             for i, m in enumerate(prior):
                 if i >= len(messages) or not _same(messages[i], m):
@@ -138,12 +174,17 @@ class AgentTrajectory:
                 raise GatewayRefusal("a follow-up call must append user, tool or system "
                                      "messages after the last assistant reply")
             if self._room(max_tokens) >= 1:
-                ids = self.renderer.continuation_ids(prior, self.last_output, new)
+                ids = self.renderer.continuation_ids(prior, self.last_output, new, self.tools)
                 if self._fits(ids):
                     self._context(ids)
             self.messages = prior + list(new)
         reply = await self._turn(max_tokens)
-        self.messages.append({"role": "assistant", "content": reply.text})
+        reply.content, reply.tool_calls = (parse_tool_calls(reply.text, self.sample.turns)
+                                           if self.tools else (reply.text, []))
+        message = {"role": "assistant", "content": reply.content}
+        if reply.tool_calls:
+            message["tool_calls"] = reply.tool_calls
+        self.messages.append(message)
         return reply
 
     async def complete(self, prompt: str, max_tokens: int | None) -> Reply:

@@ -11,7 +11,10 @@ Requests: `n` = 1 and no streaming; `max_tokens` / `max_completion_tokens` cap t
 below the run's own limits; the run's sampling settings (rollout.temperature, top_p, top_k)
 are the behaviour policy, so a request's own are ignored. `logprobs: true` adds the sampled
 tokens' log-probs; `return_token_ids: true` adds `prompt_token_ids` and per-choice
-`token_ids` (the exact ids trained).
+`token_ids` (the exact ids trained). With `tools`, the chat template renders them (where it
+supports tools) and Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks in a
+reply come back as OpenAI `tool_calls` (finish_reason "tool_calls"); the trained tokens are
+still the sampled ones, blocks included.
 """
 
 from __future__ import annotations
@@ -54,8 +57,20 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(raw):
         if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")):
             raise GatewayRefusal(f"messages[{i}]: needs a role of system, user, assistant, tool")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")})
+        message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")}
+        # Tool-call bookkeeping the template may render (assistant calls, tool results).
+        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k)})
+        out.append(message)
     return out
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        return None
+    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise GatewayRefusal("'tools' must be a list of OpenAI tool objects")
+    return tools
 
 
 def _max_tokens(body: dict) -> int | None:
@@ -151,7 +166,7 @@ class Gateway:
             if traj.error is not None:
                 raise traj.error
             if kind == "chat":
-                reply = await traj.chat(_messages(body), _max_tokens(body))
+                reply = await traj.chat(_messages(body), _max_tokens(body), _tools(body))
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
@@ -176,7 +191,10 @@ class Gateway:
         choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason}
         tokens = self.tokenizer.convert_ids_to_tokens(reply.output_ids)
         if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": reply.text}
+            choice["message"] = {"role": "assistant", "content": reply.content}
+            if reply.tool_calls:
+                choice["message"]["tool_calls"] = reply.tool_calls
+                choice["finish_reason"] = "tool_calls"
             if body.get("logprobs"):
                 choice["logprobs"] = {"content": [
                     {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl_async.algo import math_reward
+from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.memory import MemoryPlan, plan_memory
@@ -122,6 +123,22 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     return errors
 
 
+def _verifiers_errors(cfg: RunConfig) -> list[str]:
+    from rl_async.algo import verifiers_env
+
+    if not verifiers_env.available():
+        return [f"task.name = 'verifiers' needs {verifiers_env.EXTRA}, which is not installed"]
+    if cfg.task.env is None:
+        return ["task.name = 'verifiers' needs task.env = '<module>' (a module with "
+                "load_environment(**task.env_args))"]
+    errors = []
+    try:  # verifiers environments are built at load (datasets included): as the run will
+        verifiers_env.rows(verifiers_env.load(cfg.task.env, cfg.task.env_args), "train")
+    except verifiers_env.VerifiersError as exc:
+        errors.append(str(exc))
+    return errors
+
+
 def reasoning_gym_errors(cfg: RunConfig) -> list[str]:
     """task.name = 'reasoning_gym': the library, a dataset it knows, arguments it accepts."""
     from rl_async.algo import reasoning_gym_task as rg
@@ -152,11 +169,13 @@ def reasoning_gym_errors(cfg: RunConfig) -> list[str]:
 def environment_errors(cfg: RunConfig) -> list[str]:
     """A multi-turn environment scores its own trajectories and drives its own turns."""
     t = cfg.task
-    if t.name != "env":
+    if t.name not in ENV_TASKS:
         return [f"task.env = {t.env!r} is set but task.name = {t.name!r}: set task.name = "
                 f"'env' to train on the environment"] if t.env is not None else []
     errors = []
-    if t.env is None:
+    if t.name == "verifiers":
+        errors += _verifiers_errors(cfg)
+    elif t.env is None:
         errors.append("task.name = 'env' needs task.env = 'package.module:factory' or "
                       "'path/to/file.py:factory' (the environment, SPEC §12)")
     else:  # import it now (not the factory: that may start sandboxes) rather than at run start
@@ -166,12 +185,13 @@ def environment_errors(cfg: RunConfig) -> list[str]:
         except EnvironmentLoadError as exc:
             errors.append(str(exc))
     if cfg.refresh.mode == "mixed_policy":
-        errors.append("refresh.mode = 'mixed_policy' with task.name = 'env': a refresh "
+        errors.append(f"refresh.mode = 'mixed_policy' with task.name = {t.name!r}: a refresh "
                       "rebuilds a single request's prefix under new weights, which needs the "
                       "managed single-turn producer; use refresh.mode = 'off'")
     if cfg.reward.function is not None or cfg.judge.enabled:
-        errors.append("task.name = 'env': the environment's score() is the reward; unset "
-                      "reward.function and judge.enabled")
+        errors.append(f"task.name = {t.name!r}: the environment's score() (a verifiers "
+                      f"environment's rubric) is the reward; unset reward.function and "
+                      f"judge.enabled")
     budget, prompt = cfg.rollout.max_trajectory_tokens, cfg.rollout.max_prompt_len
     if budget is not None and prompt is not None and budget <= prompt:
         errors.append(f"rollout.max_trajectory_tokens = {budget} must exceed "
@@ -211,10 +231,10 @@ _ONLY_FOR = (
     ("sglang.extra_args", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.ignore_eos", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.launch_module", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
-    ("rollout.max_trajectory_tokens", lambda c: c.task.name == "env",
+    ("rollout.max_trajectory_tokens", lambda c: c.task.name in ENV_TASKS,
      "a multi-turn environment's budget"),
-    ("task.env_args", lambda c: c.task.name == "env", "a multi-turn environment's"),
-    ("task.env_timeout_s", lambda c: c.task.name == "env", "a multi-turn environment's"),
+    ("task.env_args", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
+    ("task.env_timeout_s", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
     ("task.dataset", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
     ("task.dataset_args", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
     ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),

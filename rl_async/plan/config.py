@@ -252,12 +252,15 @@ class TaskSection(Section):
     # equals `answer`), or "math" (JSONL whose answers math-verify compares: the math extra).
     # "env": a multi-turn environment (SPEC §12) fed the rows of task.path.
     # "reasoning_gym": reasoning-gym's generator `dataset` (the envs extra).
-    name: Literal["successor", "jsonl", "math", "env", "reasoning_gym"] = "successor"
+    # "verifiers": a verifiers environment (module `env`), through the gateway.
+    name: Literal["successor", "jsonl", "math", "env", "reasoning_gym",
+                  "verifiers"] = "successor"
     path: str | None = None
     eval_path: str | None = None
     num_eval_prompts: PositiveInt = 64
     # task.name = "env": "package.module:factory" or "path/to/file.py:factory", called with
-    # env_args; every reset/step/score call must finish within env_timeout_s.
+    # env_args; every reset/step/score call must finish within env_timeout_s (a gateway
+    # environment's whole rollout). task.name = "verifiers": the module verifiers loads.
     env: str | None = None
     env_args: dict[str, Any] = Field(default_factory=dict)
     env_timeout_s: PositiveFloat = 60.0

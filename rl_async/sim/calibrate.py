@@ -98,7 +98,7 @@ def _synthetic(cfg: RunConfig, label: str) -> tuple[SimTimings, dict[str, str]]:
     sources["transit"] = "not modelled (0 s; --calibrate on an embedded-engine run measures it)"
     sources["turns"] = ("one generate call per sample" + (
         ": a multi-turn environment's turns need --calibrate from one of its runs"
-        if cfg.task.name == "env" else ""))
+        if cfg.task.name in ("env", "verifiers") else ""))
     return timings, sources
 
 

@@ -29,12 +29,17 @@ def spans(sample):
 
 
 # make_env: our protocol (reset/step/score). make_agent_env: the same game running its own
-# loop through the gateway with a real openai client, inside the producer actor.
-@pytest.mark.parametrize("factory", ["make_env", "make_agent_env"])
-def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster, tmp_path,
-                                                                    factory):
-    cfg = load_config("cluster_configs/multiturn.toml", [
-        f"task.env=examples/envs/digit_sum.py:{factory}",
+# loop through the gateway with a real openai client, inside the producer actor. vf_digits:
+# the same game as a verifiers MultiTurnEnv (tests/vf_digits.py), its rubric the reward.
+ENVS = {"protocol": ["task.env=examples/envs/digit_sum.py:make_env"],
+        "gateway": ["task.env=examples/envs/digit_sum.py:make_agent_env"],
+        "verifiers": ["task.name=verifiers", "task.env=vf_digits", "task.env_args={}",
+                      "task.path="]}
+
+
+@pytest.mark.parametrize("env", list(ENVS))
+def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster, tmp_path, env):
+    cfg = load_config("cluster_configs/multiturn.toml", [*ENVS[env],
         "run.max_steps=3", "wandb.mode=disabled", "rollout.rollout_batch_size=4",
         "rollout.n_samples_per_prompt=4", "train.global_batch_size=16",
         "train.micro_batch_size=16", "task.num_eval_prompts=8", "run.record_rollouts=true",
@@ -56,12 +61,13 @@ def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster,
     assert predicted["rollout"]["turns_mean"] == 2.0
 
     tok = digit_tokenizer()
-    digits = {r["id"]: r["digits"] for r in map(json.loads, ROWS.read_text().splitlines())}
+    digits = [r["digits"] for r in map(json.loads, ROWS.read_text().splitlines())]
     run_dir = Path(summary["run_dir"])
     for step in (1, 2, 3):
         version, groups = read_collection(run_dir, step)
         for sample in (s for g in groups for s in g.samples):
-            first, second = digits[sample.prompt_id]
+            # row ids: "ds-07" (our rows), "7" (verifiers' example_id): the file's 8th row
+            first, second = digits[int(sample.prompt_id.split("-")[-1])]
             assert sample.turns == 2
             # The prompt is the template's first user turn: BOS, the first digit, "|".
             assert tok.decode(sample.prompt_ids) == f"<s>{first}|"

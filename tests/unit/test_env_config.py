@@ -31,7 +31,7 @@ def test_the_multiturn_demo_validates_and_mixed_policy_is_refused():
 @pytest.mark.parametrize("override, message", [
     ("task.env=examples/envs/nowhere.py:make_env", "file 'examples/envs/nowhere.py' not found"),
     ("task.env=examples/envs/digit_sum.py:nothing", "has no 'nothing'"),
-    ("reward.function=rl_async.algo.tasks:successor_reward", "score() is the reward"),
+    ("reward.function=rl_async.algo.tasks:successor_reward", "score() (a verifiers"),
     ("rollout.max_prompt_len=16", "max_trajectory_tokens = 16 must exceed"),
 ])
 def test_validate_names_what_is_wrong_with_an_environment_run(override, message):
