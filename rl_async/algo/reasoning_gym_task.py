@@ -5,7 +5,7 @@ generators, rewards from the dataset's own `score_answer` (the `envs` extra:
     [task]
     name = "reasoning_gym"
     dataset = "basic_arithmetic"                       # any reasoning_gym dataset name
-    dataset_args = { size = 1000, min_terms = 2 }      # its config table (seed: run.seed)
+    dataset_config = { size = 1000, min_terms = 2 }    # its config table (seed: run.seed)
 
 One dataset of `size` entries is generated from `run.seed`; `task.num_eval_prompts` of them
 are held out by the usual hash split, and training drops any entry whose question is also a
@@ -29,7 +29,7 @@ EXTRA = "reasoning-gym (pip install -e '.[envs]')"
 
 
 class ReasoningGymError(ValueError):
-    """task.dataset / task.dataset_args do not make a reasoning-gym dataset."""
+    """task.dataset / task.dataset_config do not make a reasoning-gym dataset."""
 
 
 def available() -> bool:
@@ -51,7 +51,7 @@ def create(name: str, args: dict[str, Any], seed: int, size: int | None = None):
             table["size"] = size
         return reasoning_gym.create_dataset(name, **table)
     except (TypeError, ValueError, AssertionError) as exc:
-        raise ReasoningGymError(f"task.dataset_args = {args!r} for {name!r}: {exc}") from None
+        raise ReasoningGymError(f"task.dataset_config = {args!r} for {name!r}: {exc}") from None
 
 
 def rows(name: str, args: dict[str, Any], seed: int) -> list[dict[str, Any]]:

@@ -225,7 +225,7 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     if task_cfg.name == "successor":
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
     if task_cfg.name == "reasoning_gym":
-        return reasoning_gym_prompts(task_cfg.dataset, task_cfg.dataset_args,
+        return reasoning_gym_prompts(task_cfg.dataset, task_cfg.dataset_config,
                                      task_cfg.num_eval_prompts, tokenizer, seed, split)
     if task_cfg.name == "verifiers":
         return verifiers_prompts(task_cfg, split)
@@ -285,7 +285,7 @@ def reasoning_gym_prompts(dataset: str, args: dict, num_eval: int, tokenizer, se
     train = [p for p in train if p.metadata["question"] not in seen]
     if not train:
         raise DatasetError(f"{where}: every question is also a held-out one; raise "
-                           f"task.dataset_args.size or lower task.num_eval_prompts")
+                           f"task.dataset_config.size or lower task.num_eval_prompts")
     return train
 
 

@@ -26,6 +26,7 @@ import itertools
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from rl_async.algo.chat import ChatRenderer
 from rl_async.algo.environments import EnvironmentFailure, call_env, check_score, row_of
@@ -51,6 +52,9 @@ class Endpoint:
     api_key: str           # the run's gateway token
     model: str
     trajectory_id: str
+    # The gateway's pooled HTTP client: an OpenAI client costs ~20 ms to build with its own
+    # (an SSL context each), 20x a loopback call, so every trajectory's client shares one.
+    http_client: Any = field(default=None, compare=False, repr=False)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -62,6 +66,8 @@ class Endpoint:
 
         # No client retries by default: a refused or aborted call is final for the trajectory.
         kwargs.setdefault("max_retries", 0)
+        if self.http_client is not None:
+            kwargs.setdefault("http_client", self.http_client)
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key,
                                   default_headers=self.headers, **kwargs)
 

@@ -82,6 +82,25 @@ def _max_tokens(body: dict) -> int | None:
     return value
 
 
+def _shared_http_client():
+    """openai's default httpx client whose `aclose` (called by every OpenAI client's
+    `close()`) leaves the shared pool open; the gateway closes it at stop. None without the
+    openai package (environments then bring their own client)."""
+    try:
+        from openai import DefaultAsyncHttpxClient
+    except ImportError:
+        return None
+
+    class Shared(DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            pass
+
+        async def close_shared(self) -> None:
+            await super().aclose()
+
+    return Shared()
+
+
 class Gateway:
     def __init__(self, model: str, tokenizer, host: str = "127.0.0.1"):
         self.model, self.tokenizer, self.host = model, tokenizer, host
@@ -90,6 +109,7 @@ class Gateway:
         self.base_url: str | None = None
         self.calls = 0
         self._runner = None
+        self._http = None  # the pooled client every trajectory's OpenAI client shares
         self._lock = asyncio.Lock()
 
     async def start(self) -> str:
@@ -108,9 +128,13 @@ class Gateway:
                 await site.start()
                 port = site._server.sockets[0].getsockname()[1]
                 self.base_url = f"http://{self.host}:{port}/v1"
+                self._http = _shared_http_client()
         return self.base_url
 
     async def stop(self) -> None:
+        if self._http is not None:
+            await self._http.close_shared()
+            self._http = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner, self.base_url = None, None
@@ -118,7 +142,7 @@ class Gateway:
     async def open(self, trajectory_id: str, trajectory: AgentTrajectory) -> Endpoint:
         base = await self.start()
         self.trajectories[trajectory_id] = trajectory
-        return Endpoint(base, self.token, self.model, trajectory_id)
+        return Endpoint(base, self.token, self.model, trajectory_id, self._http)
 
     def close(self, trajectory_id: str) -> None:
         self.trajectories.pop(trajectory_id, None)

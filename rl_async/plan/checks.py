@@ -156,12 +156,12 @@ def reasoning_gym_errors(cfg: RunConfig) -> list[str]:
         return errors + ["task.name = 'reasoning_gym' needs task.dataset = '<name>' (a "
                          "reasoning-gym dataset, e.g. 'basic_arithmetic')"]
     try:
-        rg.create(t.dataset, t.dataset_args, cfg.run.seed, size=1)
+        rg.create(t.dataset, t.dataset_config, cfg.run.seed, size=1)
     except rg.ReasoningGymError as exc:
         errors.append(str(exc))
-    size = t.dataset_args.get("size", 1000)
+    size = t.dataset_config.get("size", 1000)
     if isinstance(size, int) and size <= t.num_eval_prompts:
-        errors.append(f"task.dataset_args.size = {size} <= task.num_eval_prompts = "
+        errors.append(f"task.dataset_config.size = {size} <= task.num_eval_prompts = "
                       f"{t.num_eval_prompts}: nothing would be left to train on")
     return errors
 
@@ -236,7 +236,7 @@ _ONLY_FOR = (
     ("task.env_args", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
     ("task.env_timeout_s", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
     ("task.dataset", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
-    ("task.dataset_args", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
+    ("task.dataset_config", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
     ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),
     ("task.prompt_digits", lambda c: c.task.name == "successor", "the built-in task's"),
 )

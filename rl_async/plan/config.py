@@ -267,7 +267,7 @@ class TaskSection(Section):
     # task.name = "reasoning_gym": a dataset name and its config table (size: entries
     # generated, 1000 by default; the seed is run.seed).
     dataset: str | None = None
-    dataset_args: dict[str, Any] = Field(default_factory=dict)
+    dataset_config: dict[str, Any] = Field(default_factory=dict)
     # Built-in task: digits 0..modulus-1 in the prompt.
     modulus: int = Field(10, ge=2, le=100)
     prompt_digits: int = Field(3, ge=1, le=6)
