@@ -25,6 +25,8 @@ def load_environment(fail: bool = False, rows: int = 100):
                                  for a, b in data])
 
     def recalled(completion, answer, **_) -> float:
+        if not completion:
+            return 0.0
         last = completion[-1]
         text = last["content"] if isinstance(last, dict) else last.content
         return 1.0 if (text or "").strip()[:1] == answer else 0.0

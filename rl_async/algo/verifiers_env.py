@@ -13,7 +13,10 @@ trajectory is one `env.run_rollout(row, client, model, sampling_args)`: the libr
 rollout loop (MultiTurnEnv's env_response, ToolEnv's tool calls) calling the model through the
 gateway with an OpenAI client, then its rubric, whose reward is the sample's reward. The
 gateway assembles the trained tokens from those calls (rl_async.loop.agent). A rollout that
-verifiers itself ends in an error (state["error"]) fails its group with that error quoted.
+verifiers ends in an error (its state's `error`) is judged by the error's class: the policy's
+own doing (ModelError: an empty or invalid reply; OverlongPromptError; ToolError: a call it
+could not parse or that failed) is an outcome, trained with the rubric's reward (0 as a rule)
+so the policy learns away from it; anything else (InfraError, a bug) fails the group quoted.
 Sampling settings are the run's: the environment's own sampling_args are not sent.
 """
 
@@ -82,6 +85,7 @@ class VerifiersAgent:
 
     def __init__(self, env):
         self.env = env
+        self.policy_errors = 0  # rollouts ended by the policy's own output (trained, reward 0)
         turns = getattr(env, "max_turns", None)
         self.max_turns = turns if isinstance(turns, int) and turns > 0 else None
 
@@ -96,8 +100,20 @@ class VerifiersAgent:
             await client.close()
         error = out.get("error")
         if error:
-            raise RuntimeError(f"verifiers rollout ended in an error: {error}")
-        return float(out["reward"])
+            if not _policy_error(error):
+                raise RuntimeError(f"verifiers rollout ended in an error: {error}")
+            self.policy_errors += 1
+        return float(out.get("reward") or 0.0)
+
+
+def _policy_error(error: Any) -> bool:
+    """Whether verifiers' recorded error is one the policy caused (see the module doc)."""
+    from verifiers import errors
+
+    name = error.get("error") if isinstance(error, dict) else type(error).__name__
+    cls = getattr(errors, str(name), None)
+    return isinstance(cls, type) and issubclass(
+        cls, (errors.ModelError, errors.OverlongPromptError, errors.ToolError))
 
 
 def make_agent(module: str, args: dict[str, Any] | None = None) -> VerifiersAgent:

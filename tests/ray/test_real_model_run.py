@@ -101,7 +101,7 @@ def test_smollm2_on_a_reasoning_gym_dataset(ray_cluster, tmp_path):
     cfg = load_config("cluster_configs/smollm2.toml", [
         f"model.path={smollm2_dir()}", f"run.output_dir={tmp_path}", "run.name=t-rg", *SMALL,
         "run.max_steps=2", "task.name=reasoning_gym", "task.dataset=basic_arithmetic",
-        "task.dataset_args={size = 200, min_terms = 2, max_terms = 2, min_digits = 1, "
+        "task.dataset_config={size = 200, min_terms = 2, max_terms = 2, min_digits = 1, "
         "max_digits = 1}", "task.path=", "task.eval_path=", "rollout.max_response_len=24"])
     report = validate(cfg)
     assert report.ok, report.errors

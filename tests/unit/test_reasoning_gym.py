@@ -14,7 +14,7 @@ from rl_async.plan.load import load_config
 from real_model import smollm2_dir, smollm2_tokenizer
 
 SETS = ["task.name=reasoning_gym", "task.dataset=basic_arithmetic", "task.num_eval_prompts=20",
-        "task.dataset_args={size = 120, min_terms = 2, max_terms = 2, min_digits = 1, "
+        "task.dataset_config={size = 120, min_terms = 2, max_terms = 2, min_digits = 1, "
         "max_digits = 1}", "task.eval_path=", "task.path="]
 
 
@@ -60,8 +60,8 @@ def test_the_reward_is_the_datasets_own_score_answer():
 
 @pytest.mark.parametrize("override, message", [
     ("task.dataset=basic_arithmetik", "'basic_arithmetik' is not a reasoning-gym dataset"),
-    ("task.dataset_args={min_terms = 0}", "task.dataset_args = {'min_terms': 0}"),
-    ("task.dataset_args={size = 10}", "size = 10 <= task.num_eval_prompts = 20"),
+    ("task.dataset_config={min_terms = 0}", "task.dataset_config = {'min_terms': 0}"),
+    ("task.dataset_config={size = 10}", "size = 10 <= task.num_eval_prompts = 20"),
     ("model.path=", "needs model.path"),
 ])
 def test_validate_names_a_wrong_dataset_or_table(override, message):

@@ -101,3 +101,16 @@ def test_loading_off_the_main_thread_leaves_the_process_signal_handlers_alone():
     t.join(60)
     assert loaded and loaded[0].max_turns == 2  # as in a Ray actor's thread
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_an_empty_reply_is_the_policys_outcome_and_is_trained_with_reward_0():
+    # verifiers ends a rollout whose reply is empty with EmptyModelResponseError (a
+    # ModelError): the policy did it, so the trajectory is trained, not the group failed.
+    agent = make_agent("vf_digits")
+    tok = digit_tokenizer()
+    d = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    engine = ScriptedEngine([[d("</s>")]], ["stop"])
+    sample, result = play(agent, tok, ChatRenderer(tok, (d("</s>"),)), engine,
+                          rows(agent.env, "train")[0])
+    assert (result.turns, sample.reward, agent.policy_errors) == (1, 0.0, 1)
+    assert sample.response_ids == [d("</s>")] and sample.loss_mask == [1]
