@@ -26,7 +26,8 @@ from rl_async.loop.producer import Producer, ProducerLimits, zero_variance
 from rl_async.algo.rewards import backoff_s
 from rl_async.algo.rewards import RewardError
 from rl_async.algo.environments import EnvironmentFailure
-from rl_async.algo.seeding import eval_seed, turn_seed
+from rl_async.algo.seeding import eval_seed
+from rl_async.loop.trajectory import turn_request
 from rl_async.loop.environment_runner import build_environment_runner
 from rl_async.algo.tasks import ENV_TASKS, stop_token_ids
 from rl_async.base.types import Sample
@@ -280,8 +281,7 @@ class ProducerActor:
         key = f"{tag}/{sample.seed}"
 
         async def turn(ids: list[int], n: int, t: int) -> GenerateOutput:
-            request = Sample(prompt_id=sample.prompt_id, prompt_ids=ids,
-                             seed=None if sample.seed is None else turn_seed(sample.seed, t))
+            request = turn_request(sample, ids, t)
             out = await self._generate(request, key, n, params)
             while out.finish_reason == "abort":  # an engine failed under it: ask again
                 out = await self._generate(request, key, n, params)

@@ -25,26 +25,17 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from rl_async.base import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.loop.faults import FailureBudget
-from rl_async.algo.seeding import sample_seed, turn_seed
-from rl_async.loop.trajectory import TrajectoryRunner
+from rl_async.algo.seeding import sample_seed
+from rl_async.loop.trajectory import TrajectoryRunner, turn_request
 # Re-exported: callers import the limits, stats and filter from here.
 from rl_async.loop.producer_types import ProducerLimits, ProducerStats, zero_variance  # noqa: F401
+from rl_async.loop.producer_types import OpenGroup as _OpenGroup
 from rl_async.base.types import Group, Sample
-
-
-@dataclass
-class _OpenGroup:
-    group: Group
-    next_index: int = 0       # samples submitted so far (sample granularity)
-    done: int = 0
-    aborted: bool = False
-    error: BaseException | None = None
 
 
 class Producer:
@@ -314,9 +305,7 @@ class Producer:
         key = f"{og.group.group_id}/{index}"  # all turns on one engine (prefix reuse)
 
         async def turn(input_ids: list[int], max_new_tokens: int, t: int) -> GenerateOutput:
-            request = Sample(prompt_id=sample.prompt_id, prompt_ids=input_ids,
-                             seed=None if sample.seed is None else turn_seed(sample.seed, t))
-            return await self._request(request, key, max_new_tokens)
+            return await self._request(turn_request(sample, input_ids, t), key, max_new_tokens)
 
         result = await self._trajectory.run(sample, turn)
         self.stats.record_trajectory(result)

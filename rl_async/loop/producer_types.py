@@ -82,3 +82,14 @@ class ProducerStats:
         self.truncated_trajectories += int(result.truncated)
         self.env_seconds += result.env_seconds
         self.generated_tokens += result.sampled_tokens
+
+
+@dataclass
+class OpenGroup:
+    """A group the producer owns: its samples in flight and how the attempt is going."""
+
+    group: Group
+    next_index: int = 0       # samples submitted so far (sample granularity)
+    done: int = 0
+    aborted: bool = False
+    error: BaseException | None = None

@@ -24,6 +24,7 @@ from typing import Awaitable, Callable
 from rl_async.algo.chat import ChatRenderer
 from rl_async.algo.environments import (EnvironmentFailure, call_env, check_messages,
                                         check_score, check_step, row_of)
+from rl_async.algo.seeding import turn_seed
 from rl_async.base import clock
 from rl_async.base.types import Sample
 from rl_async.engine.base import EngineError, GenerateOutput
@@ -32,6 +33,13 @@ TRUNCATED = ("max_turns", "max_tokens")
 
 # (input_ids, max_new_tokens, turn) -> the engine's output for that turn.
 TurnGenerate = Callable[[list[int], int, int], Awaitable[GenerateOutput]]
+
+
+def turn_request(sample: Sample, input_ids: list[int], turn: int) -> Sample:
+    """One turn's generation request: the trajectory's tokens so far, with the turn's own
+    sampling seed derived from the sample's (rl_async.algo.seeding)."""
+    return Sample(prompt_id=sample.prompt_id, prompt_ids=input_ids,
+                  seed=None if sample.seed is None else turn_seed(sample.seed, turn))
 
 
 @dataclass(frozen=True)
