@@ -1,7 +1,11 @@
 """Embedded continuous-batching engine vs transformers' static-batch `generate`.
 
-Same tiny model, same prompts, same per-request response lengths drawn from a long-tailed
-(lognormal) distribution, measured in one run. `generate` cannot retire rows early, so a
+Same model, same prompts, same per-request response lengths drawn from a long-tailed
+(lognormal) distribution, measured in one run. The workload is RL's: groups of `--group`
+samples of one prompt (each its own length), sent together, as a producer does; HF
+`generate` gets the same rows in the same order (prompts repeated, as TRL's GRPOTrainer
+batches them). `--model smollm2` uses the real SmolLM2-135M-Instruct (prepared offline by
+`rl-async prepare-model smollm2`) instead of the tiny random Llama. `generate` cannot retire rows early, so a
 static batch runs until its longest request; both sides are credited ONLY with useful tokens
 (each request's own length), which is what an RL producer gets. Sampling at temperature 1;
 stop tokens are disabled on both sides so lengths are exactly the drawn ones.
@@ -28,14 +32,16 @@ from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from rl_async.state.models import tiny_llama_config
 
 
-def make_workload(n: int, seed: int, vocab: int, max_len: int) -> list[tuple[list[int], int]]:
+def make_workload(n: int, seed: int, vocab: int, max_len: int, group: int = 1
+                  ) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
     work = []
-    for _ in range(n):
+    while len(work) < n:
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))]
-        # lognormal(median ~24, heavy tail), clipped: most short, a few very long.
-        length = int(min(max_len, max(4, rng.lognormvariate(3.2, 0.9))))
-        work.append((prompt, length))
+        for _ in range(min(group, n - len(work))):
+            # lognormal(median ~24, heavy tail), clipped: most short, a few very long.
+            length = int(min(max_len, max(4, rng.lognormvariate(3.2, 0.9))))
+            work.append((prompt, length))
     return work
 
 
@@ -77,20 +83,29 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=384)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--group", type=int, default=4, help="samples per prompt (RL group)")
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
     torch.set_num_threads(args.threads)
-    hf_config = tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
-                                  max_position_embeddings=512)
+    if args.model == "smollm2":
+        from rl_async.state.prepare_model import prepare_model
+
+        model = {"path": str(prepare_model("smollm2"))}
+        vocab = 49152
+    else:
+        model = {"hf_config": tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
+                                                max_position_embeddings=512)}
+        vocab = 512
     engine = EmbeddedEngine(EmbeddedEngineConfig(
-        hf_config=hf_config, max_running_requests=args.batch, torch_threads=args.threads))
-    work = make_workload(args.requests, args.seed, hf_config["vocab_size"], args.max_len)
+        **model, max_running_requests=args.batch, torch_threads=args.threads))
+    work = make_workload(args.requests, args.seed, vocab, args.max_len, args.group)
     warm = work[: args.batch // 2]
     asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
     run_hf_generate(engine.model, [(p, 4) for p, _ in warm], args.batch)
 
     # run.deterministic: the same engine decoding batch-invariantly (one forward per row).
     invariant = EmbeddedEngine(EmbeddedEngineConfig(
-        hf_config=hf_config, max_running_requests=args.batch, torch_threads=args.threads,
+        **model, max_running_requests=args.batch, torch_threads=args.threads,
         batch_invariant=True))
     asyncio.run(run_embedded(invariant, [(p, 4) for p, _ in warm]))
 
@@ -111,6 +126,8 @@ def main() -> None:
         "embedded_seconds": round(emb_s, 2),
         "hf_seconds": round(hf_s, 2),
         "requests": args.requests,
+        "group": args.group,
+        "model": args.model,
         "max_running_requests": args.batch,
         "engine_steps": engine.load().extra["steps"],
     }

@@ -84,7 +84,26 @@ def prefill(model: torch.nn.Module, requests: list[Request], device: torch.devic
             ) -> tuple[KVBatch, torch.Tensor]:
     """Run the whole prefix of each request; returns the batch (KV of every prefix token) and
     the last-position logits [B, V]. Callers append the sampled token, which restores the
-    invariant (cache = prefix minus its last token)."""
+    invariant (cache = prefix minus its last token).
+
+    Requests with the same prefix (a group's n samples of one prompt, admitted together) run
+    once: the forward covers the distinct prefixes only and its rows are repeated, so a group
+    of n pays one prompt's prefill instead of n. Rows never share storage afterwards (each
+    decode step appends to its own row)."""
+    first: dict[tuple[int, ...], int] = {}
+    rows = [first.setdefault(tuple(r.prefix()), len(first)) for r in requests]
+    if len(first) == len(requests):
+        return _prefill_rows(model, requests, device)
+    distinct = [requests[rows.index(i)] for i in range(len(first))]
+    batch, logits_BV = _prefill_rows(model, distinct, device)
+    index = torch.tensor(rows, device=batch.mask_BL.device)
+    kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in batch.kv()]
+    return (KVBatch(DynamicCache(kv), batch.mask_BL.index_select(0, index), list(requests)),
+            logits_BV.index_select(0, index))
+
+
+def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch.device
+                  ) -> tuple[KVBatch, torch.Tensor]:
     prefixes = [r.prefix() for r in requests]
     length = max(len(p) for p in prefixes)
     ids_BL = torch.full((len(prefixes), length), PAD_ID, dtype=torch.long)

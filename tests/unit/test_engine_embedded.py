@@ -261,3 +261,39 @@ def test_steps_feed_the_decode_curve():
     # each request's time inside the engine; the longest one spans every step
     assert engine.latency.count == 4 and engine.latency.seconds / 4 > 0
     assert engine.latency.metrics("engine/0")["engine/0/requests"] == 4
+
+
+def test_a_groups_shared_prompt_is_prefilled_once_and_samples_stay_independent():
+    """n samples of one prompt admitted together run ONE prefill row (kv_batch.prefill), and
+    each sample's log-probs still equal a full forward over its own tokens."""
+    from rl_async.engine.kv_batch import _cache_kwarg
+
+    engine = make_engine(max_running_requests=8)
+    _cache_kwarg(engine.model)  # resolved off the real forward's signature, before the wrap
+    widths = []
+    forward = engine.model.forward
+
+    def counting(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] > 1:  # a prefill (a decode feeds one token)
+            widths.append(ids.shape[0])
+        return forward(*args, **kwargs)
+
+    engine.model.forward = counting
+    group = [1, 5, 6, 7, 8]
+
+    async def run():
+        outs = await asyncio.gather(*(
+            engine.generate(p, SamplingParams(max_new_tokens=5 + i, temperature=1.0, seed=i))
+            for i, p in enumerate([group] * 4 + [[1, 9]])))
+        await engine.close()
+        return outs
+
+    outs = asyncio.run(run())
+    assert widths == [2]  # five requests, two distinct prompts: one forward of two rows
+    assert len({tuple(o.output_ids) for o in outs[:4]}) > 1  # the samples did diverge
+    for i, out in enumerate(outs):
+        prompt = group if i < 4 else [1, 9]
+        logp = torch.log_softmax(full_logits(engine.model, prompt, out.output_ids), dim=-1)
+        expected = logp.gather(1, torch.tensor(out.output_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=1e-4)
