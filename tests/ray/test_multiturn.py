@@ -50,15 +50,17 @@ def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster,
     assert summary["ledger"]["unaccounted"] == 0 and summary["steps"] == 3
     rollout = summary["rollout"]
     # Every trajectory plays both digits (2 turns), none hits a budget, the env is timed.
-    assert rollout["trajectories"] >= 3 * 16 and rollout["turns_mean"] == 2.0
+    # (verifiers ends a rollout at an empty reply, EmptyModelResponseError: 1 turn, trained.)
+    assert rollout["trajectories"] >= 3 * 16
+    assert rollout["turns_mean"] == 2.0 or (env == "verifiers" and rollout["turns_mean"] > 1.5)
     assert rollout["truncated_fraction"] == 0.0 and rollout["env_seconds_mean"] > 0
 
     # The calibration carries the turn structure, and the simulator plays it back.
     turns = summary["calibration"]["turns"]
-    assert turns["turns_mean"] == 2.0 and turns["env_tokens_per_gap"] > 0
+    assert turns["turns_mean"] > 1.5 and turns["env_tokens_per_gap"] > 0
     timings = sim_timings(cfg, summary["calibration"])
     predicted = simulate(cfg, plan_capacity(cfg)[0], timings, steps=2)
-    assert predicted["rollout"]["turns_mean"] == 2.0
+    assert abs(predicted["rollout"]["turns_mean"] - turns["turns_mean"]) < 0.25
 
     tok = digit_tokenizer()
     digits = [r["digits"] for r in map(json.loads, ROWS.read_text().splitlines())]
@@ -68,6 +70,10 @@ def test_multiturn_run_records_sampled_and_environment_tokens_apart(ray_cluster,
         for sample in (s for g in groups for s in g.samples):
             # row ids: "ds-07" (our rows), "7" (verifiers' example_id): the file's 8th row
             first, second = digits[int(sample.prompt_id.split("-")[-1])]
+            if sample.turns == 1:  # verifiers' empty reply (special tokens only), trained
+                assert env == "verifiers"
+                assert tok.decode(sample.response_ids, skip_special_tokens=True) == ""
+                continue
             assert sample.turns == 2
             # The prompt is the template's first user turn: BOS, the first digit, "|".
             assert tok.decode(sample.prompt_ids) == f"<s>{first}|"
