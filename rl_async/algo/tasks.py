@@ -233,8 +233,7 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     if task_cfg.name == "env":  # rows for the environment's reset, not prompts
         from rl_async.algo.environments import env_rows
 
-        def load(path, tokenizer, vocab_size):
-            return env_rows(path)
+        load = lambda path, tokenizer, vocab_size: env_rows(path)  # noqa: E731
     if task_cfg.eval_path is not None:
         path = task_cfg.path if split == "train" else task_cfg.eval_path
         return load(path, tokenizer, vocab_size)

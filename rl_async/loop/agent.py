@@ -133,6 +133,7 @@ class AgentTrajectory:
     error: BaseException | None = None                  # what a call raised (re-raised)
     kind: str | None = None                             # "chat" | "completions"
     tools: list[dict] | None = None                     # the first chat call's tools
+    busy: bool = False                                  # a call is being served
 
     def _kind(self, kind: str) -> None:
         if self.kind not in (None, kind):

@@ -107,7 +107,6 @@ class Gateway:
         self.token = secrets.token_urlsafe(24)
         self.trajectories: dict[str, AgentTrajectory] = {}
         self.base_url: str | None = None
-        self.calls = 0
         self._runner = None
         self._http = None  # the pooled client every trajectory's OpenAI client shares
         self._lock = asyncio.Lock()
@@ -158,7 +157,8 @@ class Gateway:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "rl-async"}]})
 
     def _auth(self, request):
-        if request.headers.get("Authorization", "") != f"Bearer {self.token}":
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
             return _error(401, "missing or wrong token (the run's gateway token)",
                           "authentication_error")
         return None
@@ -180,7 +180,6 @@ class Gateway:
             return _error(404, f"no open trajectory {tid!r} (send the endpoint's "
                                f"{HEADER} header or extra_body trajectory_id)",
                           "invalid_request_error")
-        self.calls += 1
         try:
             if body.get("stream"):
                 raise GatewayRefusal("stream = true is not supported")
@@ -189,13 +188,19 @@ class Gateway:
                                      f"(a group's samples are separate trajectories)")
             if traj.error is not None:
                 raise traj.error
-            if kind == "chat":
-                reply = await traj.chat(_messages(body), _max_tokens(body), _tools(body))
-            else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str):
-                    raise GatewayRefusal("'prompt' must be a string")
-                reply = await traj.complete(prompt, _max_tokens(body))
+            if traj.busy:  # one conversation, one call at a time: its tokens are a sequence
+                raise GatewayRefusal("a call on this trajectory is already in flight")
+            traj.busy = True
+            try:
+                if kind == "chat":
+                    reply = await traj.chat(_messages(body), _max_tokens(body), _tools(body))
+                else:
+                    prompt = body.get("prompt")
+                    if not isinstance(prompt, str):
+                        raise GatewayRefusal("'prompt' must be a string")
+                    reply = await traj.complete(prompt, _max_tokens(body))
+            finally:
+                traj.busy = False
         except GatewayRefusal as exc:
             return _error(400, f"trajectory {tid}: {exc}", "invalid_request_error")
         except TrajectoryAborted as exc:

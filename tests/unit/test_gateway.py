@@ -180,3 +180,33 @@ def test_completions_token_and_trajectory_checks():
     assert tok.decode(s.prompt_ids + s.response_ids) == "6 x 7 = 42. Sure? yes"
     assert engine.requests[1][0] == s.prompt_ids + s.response_ids[:len(engine.requests[1][0])
                                                                    - len(s.prompt_ids)]
+
+
+def test_concurrent_calls_on_one_trajectory_are_refused():
+    tok = smollm2_tokenizer()
+    from rl_async.loop.agent import AgentTrajectory
+
+    release = asyncio.Event()
+
+    async def slow(ids, n, turn):
+        await release.wait()
+        return GenerateOutput("t", [5], [-0.5], [1], "length")
+
+    traj = AgentTrajectory(ChatRenderer(tok, ()), TrajectoryLimits(8, None, 5.0), slow)
+    gateway = Gateway("policy", tok)
+
+    async def go():
+        endpoint = await gateway.open("abc", traj)
+        client = endpoint.openai_client()
+        try:
+            first = asyncio.ensure_future(client.completions.create(model="p", prompt="a"))
+            await asyncio.sleep(0.2)
+            with pytest.raises(openai.BadRequestError, match="already in flight"):
+                await client.completions.create(model="p", prompt="a")
+            release.set()
+            return await first
+        finally:
+            await client.close()
+            await gateway.stop()
+
+    assert asyncio.run(go()).choices[0].finish_reason == "length"
