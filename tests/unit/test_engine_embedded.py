@@ -297,3 +297,28 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_stay_independent()
         logp = torch.log_softmax(full_logits(engine.model, prompt, out.output_ids), dim=-1)
         expected = logp.gather(1, torch.tensor(out.output_ids)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(out.output_logprobs), expected, atol=1e-4)
+
+
+def test_growing_kv_layer_holds_exactly_what_concatenation_would():
+    """kv_batch.GrowingLayer writes decode columns in place (no whole-cache copy per step):
+    its keys/values equal the concatenation of everything written, across growths and after
+    an outside assignment (prefill's padding zeroing, a re-packed batch)."""
+    from rl_async.engine.kv_batch import GrowingLayer, new_cache
+
+    g = torch.Generator().manual_seed(0)
+    layer = GrowingLayer()
+    written_k, written_v = [], []
+    for n in [5, 1, 1, 70, 1, 1, 200, 1]:  # crosses several growths
+        k, v = torch.randn(3, 2, n, 4, generator=g), torch.randn(3, 2, n, 4, generator=g)
+        written_k.append(k)
+        written_v.append(v)
+        keys, values = layer.update(k, v)
+        assert torch.equal(keys, torch.cat(written_k, dim=2))
+        assert torch.equal(values, torch.cat(written_v, dim=2))
+        assert layer.get_seq_length() == keys.shape[2]
+    layer.keys, layer.values = keys[:, :, :10] * 0, values[:, :, :10] * 0  # adopted as is
+    k = torch.randn(3, 2, 1, 4, generator=g)
+    keys, _ = layer.update(k, k)
+    assert keys.shape[2] == 11 and torch.equal(keys[:, :, 10:], k) and not keys[:, :, :10].any()
+    cache = new_cache([(keys, keys)])
+    assert torch.equal(cache.layers[0].keys, keys) and cache.get_seq_length() == 11
