@@ -15,8 +15,10 @@ import pytest
 from rl_async.state import checkpoints as ckpts
 pytestmark = pytest.mark.ray
 
-STEPS = 8
-ARGS = [f"run.max_steps={STEPS}", "run.checkpoint_every=1", "wandb.mode=disabled",
+# Enough updates that the kill (after the second checkpoint) lands mid-run: with 8, a fast
+# run could finish first and the resume would have nothing left to train.
+STEPS = 30
+ARGS = ["run.checkpoint_every=1", "wandb.mode=disabled",
         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "train.global_batch_size=16", "train.micro_batch_size=16", "task.num_eval_prompts=8",
         "sglang.max_running_requests=8", "run.keep_checkpoints=0"]
@@ -26,7 +28,8 @@ AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
 
 
 def cli(out: Path, *extra: str, config: str = "dev.toml") -> list[str]:
-    sets = [a for kv in [*ARGS, f"run.output_dir={out}", "run.name=t-resume"]
+    sets = [a for kv in [*ARGS, f"run.max_steps={STEPS}", f"run.output_dir={out}",
+                         "run.name=t-resume"]
             for a in ("--set", kv)]
     return [sys.executable, "-m", "launch.cli", "run", f"cluster_configs/{config}", *sets, *extra]
 
@@ -72,6 +75,8 @@ def test_sigkilled_driver_leaves_no_orphans_and_resume_trains_each_prompt_once(t
     assert {p.name for p in run_dir.iterdir()} == written  # nobody writes checkpoints now
     last = ckpts.complete_checkpoints(run_dir)[-1]
     killed_at = ckpts.load_meta(last)["step"]
+    steps = STEPS
+    assert killed_at < steps  # the kill landed mid-run
 
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(cli(tmp_path, "--resume", "--summary-json", str(summary_path),
@@ -80,24 +85,24 @@ def test_sigkilled_driver_leaves_no_orphans_and_resume_trains_each_prompt_once(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
     assert summary["resumed_from"] == {"step": killed_at, "path": str(last)}
-    assert summary["steps"] == STEPS and summary["policy_version"] == STEPS
+    assert summary["steps"] == steps and summary["policy_version"] == steps
     assert summary["run_dir"] == str(run_dir)  # the same run continues in its directory
     ledger = summary["ledger"]
     assert ledger["unaccounted"] == 0
     # (an async run stops with its next groups in flight: resident in the ledger, not lost)
     assert ledger["in_flight_groups"] == 0 or config != "dev.toml"
-    assert ledger["delivered_groups"] == STEPS * 4  # cumulative over the run
+    assert ledger["delivered_groups"] == steps * 4  # cumulative over the run
     # The trained log of the surviving lineage: every step once, every prompt once.
     rows = [json.loads(line) for line in (run_dir / ckpts.TRAINED_LOG).read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     cursors = [int(g[0].split(":")[0][1:]) for r in rows for g in r["groups"]]
-    assert len(cursors) == len(set(cursors)) == STEPS * 4
+    assert len(cursors) == len(set(cursors)) == steps * 4
     if config == "dev.toml":  # synchronous: the stream continues where the checkpoint says
-        assert sorted(cursors) == list(range(STEPS * 4))
+        assert sorted(cursors) == list(range(steps * 4))
     else:  # the environment played every trained trajectory to its end: two turns each
         assert summary["rollout"]["turns_mean"] == 2.0
         assert summary["rollout"]["truncated_fraction"] == 0.0
-    assert Path(summary["export_dir"]).parent.name == ckpts.step_name(STEPS)
+    assert Path(summary["export_dir"]).parent.name == ckpts.step_name(steps)
 
 
 def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_path):
@@ -109,7 +114,8 @@ def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_pa
     from rl_async.plan.load import load_config
 
     cfg = load_config("cluster_configs/dev.toml",
-                      [*ARGS, f"run.output_dir={tmp_path}", "run.name=t-resume"])
+                      [*ARGS, f"run.max_steps={STEPS}", f"run.output_dir={tmp_path}",
+                       "run.name=t-resume"])
     ckpts.finalize(run_dir, 3, {"policy_version": 3, "ledger": {}, "config": cfg.to_dict()}, 0)
     # twice the samples per collection: a global batch to match keeps one update per
     # collection (validate refuses a checkpoint interval that steps would skip over)
