@@ -259,7 +259,13 @@ class ProducerActor:
             while out.finish_reason == "abort":  # an engine failed under it: ask again
                 out = await self._generate(sample, tag, None, params)
             sample.response_ids = list(out.output_ids)
-            return await self._call(self.reward, "reward", "score")(sample)
+            try:
+                return await self._call(self.reward, "reward", "score")(sample)
+            except RewardError as exc:  # as for environments: scored 0, counted; the run's
+                # failure budget (rollouts), not an evaluation, decides whether it stops
+                self.faults["eval_reward_failures"] = self.faults.get("eval_reward_failures", 0) + 1
+                self.faults["last_transient_error"] = str(exc)
+                return 0.0
 
         seed = self.cfg.run.seed
 
