@@ -62,8 +62,9 @@ def setup(env, replies, finish, budget=None, max_len=32):
     return tok, engine, gateway, runner
 
 
-def run(runner, engine, gateway):
-    sample = Sample(prompt_id="r1", metadata={"row": ROW, "where": "rows.jsonl:1"})
+def run(runner, engine, gateway, row=ROW):
+    """One trajectory through the runner and its gateway, which is stopped afterwards."""
+    sample = Sample(prompt_id="r1", metadata={"row": row, "where": "rows.jsonl:1"})
 
     async def go():
         try:

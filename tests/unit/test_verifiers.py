@@ -4,34 +4,26 @@ reward, native tool calls, and errors inside the library."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
 from rl_async.algo.chat import ChatRenderer, digit_tokenizer
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.verifiers_env import make_agent, rows
-from rl_async.base.types import Sample
 from rl_async.loop.agent import AgentRunner
 from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits
 from rl_async.plan.checks import validate
 from rl_async.plan.load import load_config
 from real_model import smollm2_tokenizer
+from test_gateway import run
 from test_trajectories import ScriptedEngine, spans
 
 
 def play(agent, tok, renderer, engine, row):
     gateway = Gateway("policy", tok)
     runner = AgentRunner(agent, renderer, TrajectoryLimits(64, None, 20.0), gateway)
-    sample = Sample(prompt_id="0", metadata={"row": row, "where": "verifiers:test[0]"})
-
-    async def go():
-        try:
-            return await runner.run(sample, engine)
-        finally:
-            await gateway.stop()
-    return sample, asyncio.run(go())
+    return run(runner, engine, gateway, row)
 
 
 def test_a_multiturn_env_plays_through_the_gateway_and_its_rubric_is_the_reward():
