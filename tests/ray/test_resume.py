@@ -16,8 +16,10 @@ from rl_async.state import checkpoints as ckpts
 pytestmark = pytest.mark.ray
 
 # Enough updates that the kill (after the second checkpoint) lands mid-run: with 8, a fast
-# run could finish first and the resume would have nothing left to train.
+# run could finish first and the resume would have nothing left to train. The multi-turn
+# demo (~0.15 s per update) finished 30 before the kill in one CI run.
 STEPS = 30
+STEPS_OF = {"dev.toml": STEPS, "multiturn.toml": 200}
 ARGS = ["run.checkpoint_every=1", "wandb.mode=disabled",
         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "train.global_batch_size=16", "train.micro_batch_size=16", "task.num_eval_prompts=8",
@@ -28,7 +30,7 @@ AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
 
 
 def cli(out: Path, *extra: str, config: str = "dev.toml") -> list[str]:
-    sets = [a for kv in [*ARGS, f"run.max_steps={STEPS}", f"run.output_dir={out}",
+    sets = [a for kv in [*ARGS, f"run.max_steps={STEPS_OF[config]}", f"run.output_dir={out}",
                          "run.name=t-resume"]
             for a in ("--set", kv)]
     return [sys.executable, "-m", "launch.cli", "run", f"cluster_configs/{config}", *sets, *extra]
@@ -75,7 +77,7 @@ def test_sigkilled_driver_leaves_no_orphans_and_resume_trains_each_prompt_once(t
     assert {p.name for p in run_dir.iterdir()} == written  # nobody writes checkpoints now
     last = ckpts.complete_checkpoints(run_dir)[-1]
     killed_at = ckpts.load_meta(last)["step"]
-    steps = STEPS
+    steps = STEPS_OF[config]
     assert killed_at < steps  # the kill landed mid-run
 
     summary_path = tmp_path / "summary.json"
