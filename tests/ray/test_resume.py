@@ -16,14 +16,15 @@ from rl_async.state import checkpoints as ckpts
 pytestmark = pytest.mark.ray
 
 # Enough updates that the kill (after the second checkpoint) lands mid-run: with 8, a fast
-# run could finish first and the resume would have nothing left to train. The multi-turn
-# demo (~0.15 s per update) finished 30 before the kill in one CI run.
-STEPS = 30
-STEPS_OF = {"dev.toml": STEPS, "multiturn.toml": 200}
+# run could finish first and the resume would have nothing left to train. dev.toml makes
+# an update in ~65 ms here, and a loaded CI machine let 30 of them pass before the kill, so
+# both runs last tens of seconds; the poll below is tight for the same reason.
+STEPS = 300
+STEPS_OF = {"dev.toml": STEPS, "multiturn.toml": 300}
 ARGS = ["run.checkpoint_every=1", "wandb.mode=disabled",
         "rollout.rollout_batch_size=4", "rollout.n_samples_per_prompt=4",
         "train.global_batch_size=16", "train.micro_batch_size=16", "task.num_eval_prompts=8",
-        "sglang.max_running_requests=8", "run.keep_checkpoints=0"]
+        "sglang.max_running_requests=8", "run.keep_checkpoints=2"]
 
 
 AGENTS = {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
@@ -55,7 +56,7 @@ def test_sigkilled_driver_leaves_no_orphans_and_resume_trains_each_prompt_once(t
         while not (run_dirs(tmp_path) and len(ckpts.complete_checkpoints(run_dirs(tmp_path)[0])) >= 2):
             assert driver.poll() is None, "the run ended before it could be killed"
             assert time.monotonic() < deadline, "no checkpoint after 240 s"
-            time.sleep(0.2)
+            time.sleep(0.02)
         family = psutil.Process(driver.pid).children(recursive=True)
         driver.send_signal(signal.SIGKILL)  # mid-collection: step 3 is being generated/trained
         driver.wait()
