@@ -18,6 +18,9 @@ from pathlib import Path
 
 CACHE_ENV = "RL_ASYNC_MODEL_CACHE"
 DONE = ".rl-async-prepared"
+# Bumped when the converted directory changes; an older conversion is redone.
+# 2: config.json without the GGUF quantization_config.
+FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -56,12 +59,13 @@ def prepare_model(name: str, out_dir: str | os.PathLike | None = None,
     if name not in KNOWN:
         raise ValueError(f"prepare-model: unknown model {name!r}; known: {sorted(KNOWN)}")
     out = Path(out_dir) if out_dir is not None else default_dir(name)
-    if (out / DONE).is_file() and not force:
+    src = KNOWN[name]
+    marker = f"{src.pip_name} {src.filename} format={FORMAT}\n"
+    if (out / DONE).is_file() and (out / DONE).read_text() == marker and not force:
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    src = KNOWN[name]
     folder = _source_dir(src)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=src.filename)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=src.filename,
@@ -72,6 +76,10 @@ def prepare_model(name: str, out_dir: str | os.PathLike | None = None,
         fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
     fresh.load_state_dict(loaded.state_dict(), assign=True)
     fresh.tie_weights()
+    # The config still names the GGUF quantisation; saved with it, the float checkpoint
+    # reads as "purely quantised" and HF Trainer (TRL's GRPOTrainer) refuses to train it.
+    if hasattr(fresh.config, "quantization_config"):
+        del fresh.config.quantization_config
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp)
@@ -79,7 +87,7 @@ def prepare_model(name: str, out_dir: str | os.PathLike | None = None,
     gen = GenerationConfig.from_model_config(loaded.config)
     gen.eos_token_id = tokenizer.eos_token_id
     gen.save_pretrained(tmp)
-    (tmp / DONE).write_text(f"{src.pip_name} {src.filename}\n")
+    (tmp / DONE).write_text(marker)
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
