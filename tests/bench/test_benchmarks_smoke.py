@@ -23,6 +23,7 @@ KEYS = {
     "async_vs_sync.py": {"speedup"},
     "time_to_reward.py": {"target_reward", "modes", "best_speedup"},
     "simulate_vs_real.py": {"calibrated_on", "cases"},
+    "vs_trl.py": {"target_reward", "sides", "speedup"},
 }
 
 pytestmark = pytest.mark.ray
