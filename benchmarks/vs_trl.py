@@ -149,6 +149,8 @@ def run_rl_async(mode: str, seed: int, args) -> dict:
     overrides = [
         f"run.name=vs-trl-{mode}-s{seed}", f"run.seed={seed}", f"run.max_steps={args.updates}",
         f"run.output_dir={args.out}/runs", "wandb.mode=disabled",
+        # absolute: the config's paths are relative to the repo, the benchmark runs from anywhere
+        f"task.path={TRAIN}", f"task.eval_path={EVAL}",
         f"rollout.rollout_batch_size={args.prompts}", f"rollout.n_samples_per_prompt={args.group}",
         f"train.global_batch_size={args.prompts * args.group}",
         f"train.micro_batch_size={args.prompts * args.group}",
@@ -167,7 +169,7 @@ def run_rl_async(mode: str, seed: int, args) -> dict:
     for (step, _wall, reward), (wall, seconds) in zip(result["summary"]["eval"]["curve"], evals):
         taken_out += seconds
         curve.append([step, round(wall - taken_out, 3), reward])
-    return {"curve": curve, "eval_seconds": taken_out}
+    return {"curve": curve, "eval_seconds": taken_out, "summary": result["summary"]}
 
 
 # ------------------------------------------------------------------------------- the report
@@ -238,6 +240,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--out", default=None, help="where results go (default: temp dir)")
     parser.add_argument("--set", action="append", default=[], help="rl-async override")
+    parser.add_argument("--reuse-trl", metavar="DIR", help="TRL results of an earlier run "
+                        "with the same settings (its --out): rl-async runs only")
     parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -256,9 +260,13 @@ def main() -> None:
     started = time.monotonic()
     sides: dict[str, list[dict]] = {"trl": [], **{m: [] for m in modes}}
     for seed in range(args.seeds):
-        sides["trl"].append(run_trl(seed, args))
+        reused = Path(args.reuse_trl or "/nonexistent") / f"trl-s{seed}.json"
+        sides["trl"].append(json.loads(reused.read_text()) if args.reuse_trl
+                            else run_trl(seed, args))
         for mode in modes:
             sides[mode].append(run_rl_async(mode, seed, args))
+            (Path(args.out) / f"{mode}-s{seed}.json").write_text(
+                json.dumps(sides[mode][-1], default=str))
     result = report(sides, args.updates)
     result.update(seeds=args.seeds, updates=args.updates, out_dir=args.out,
                   benchmark_seconds=round(time.monotonic() - started, 1))
