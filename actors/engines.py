@@ -160,6 +160,10 @@ class EngineActor:
         as a wedged server or a driver stuck in a kernel looks from outside."""
         time.sleep(seconds)
 
+    def set_threads(self, threads: int) -> None:
+        """torch threads of an embedded engine on CPU (the controller's thread balancer)."""
+        self.engine.set_threads(threads)
+
     def metrics(self) -> dict[str, float]:
         """This actor's event-loop lag and busy fraction (the fleet aggregates engines)."""
         load = self.engine.load()
@@ -169,6 +173,10 @@ class EngineActor:
             if getattr(self.engine, name, None) is not None:
                 measured.update(getattr(self.engine, name).metrics(prefix))
         return {**self.monitor.metrics(prefix), **measured,
+                # every thread of this process (the forward's too): rl_async/loop/threads.py
+                f"{prefix}/cpu_seconds": time.process_time(),
+                **({f"{prefix}/threads": float(self.engine.stats["threads"])}
+                   if "threads" in getattr(self.engine, "stats", {}) else {}),
                 f"{prefix}/running": float(load.running),
                 f"{prefix}/waiting": float(load.waiting),
                 f"{prefix}/tokens_in_use": float(load.tokens_in_use)}

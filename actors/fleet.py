@@ -270,6 +270,13 @@ class RayFleet(FleetPublication):
         # zeros: take the last stage's (see TrainerWorker.reports_metrics).
         return results[self.metrics_rank]
 
+    async def set_threads(self, engine: int, trainer: int) -> None:
+        """torch threads per engine process and per trainer worker (rl_async/loop/threads.py);
+        an engine that fails the call is lost like any engine call."""
+        await self._on_live_engines(lambda e: e.set_threads.remote(engine), "set_threads")
+        await self.bounded(asyncio.gather(*(t.set_threads.remote(trainer)
+                                            for t in self.trainers)), "trainer.set_threads")
+
     async def evaluate(self) -> dict[str, float]:
         return await self.producer.evaluate.remote(self.eval_prompts)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import ray
 import torch
@@ -70,6 +71,7 @@ class TrainerWorker:
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         if not cfg.cluster.trainer_gpus:
             torch.set_num_threads(max(1, int(cfg.cluster.trainer_cpus)))
+        self._threads = torch.get_num_threads()
         self.trainer = None
         self._sender: PublicationSender | None = None  # rank 0, on first use
 
@@ -104,8 +106,17 @@ class TrainerWorker:
             return self.trainer.reports_metrics
         return self.rank == 0
 
+    def set_threads(self, threads: int) -> None:
+        """torch threads from the next collection on (the controller's thread balancer)."""
+        self._threads = threads
+
     def train(self, groups: list[Group], version: int) -> dict[str, float]:
-        return self.trainer.train_collection(groups, version)
+        if not self.cfg.cluster.trainer_gpus and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)  # per calling thread: set where it trains
+        metrics = self.trainer.train_collection(groups, version)
+        # this process's CPU, every thread (publication's sends too): the thread balancer's
+        return {**metrics, "trainer/cpu_seconds": time.process_time(),
+                "trainer/threads": float(torch.get_num_threads())}
 
     def _hf_tensors(self):
         """The policy's HF-named tensors on rank 0 (an iterable); None elsewhere. megatron

@@ -54,7 +54,9 @@ def _print_table(cfg: RunConfig, report: Report) -> None:
         console.print(f"memory plan: none ({escape(report.memory_note)})", soft_wrap=True)
     else:
         _print_memory(console, report.memory)
+    from rl_async.loop.threads import describe
 
+    console.print(escape(describe(cfg)), soft_wrap=True)
     for w in report.warnings:
         console.print(f"[yellow]warning {w.code}[/yellow]: {escape(w.message)}", soft_wrap=True)
 
@@ -109,6 +111,9 @@ def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
     if as_json:
         out = report.to_json()
         out.pop("errors")
+        from rl_async.loop.threads import describe
+
+        out["cpu_threads"] = describe(cfg)
         if simulated is not None:
             out["simulation"] = simulated
         click.echo(json.dumps(out, indent=2))

@@ -84,7 +84,8 @@ def _progress_line(p: dict) -> str:
     return (f"[rl-async] {p['phase']:<8} step {p['step']}/{p['max_steps']} v{p['version']} "
             f"reward {p['reward']:.3f} staleness {p['staleness']:.2f} "
             f"trainer wait {p['trainer_wait_seconds']:.1f}s "
-            f"discard {p['discard_fraction']:.3f}")
+            f"discard {p['discard_fraction']:.3f}"
+            + (f" bound: {p['bound']}" if p.get("bound") else ""))
 
 
 def resolve_resume(cfg: RunConfig, resume: str | None):

@@ -62,6 +62,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self.config = config
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
+        self._threads = config.torch_threads  # applied where the forward runs (set_threads)
         self.device = torch.device(config.device)
         self.model = build_causal_lm(config.hf_config, config.path, config.init_seed,
                                      config.dtype, config.device, config.attn_implementation)
@@ -328,10 +329,21 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         # Prefill of the admitted rides in the step, as the simulator folds it in.
         return len(involved), end - start, end
 
+    def set_threads(self, threads: int) -> None:
+        """torch intra-op threads for the next steps (rl_async/loop/threads.py)."""
+        if threads < 1:
+            raise ValueError(f"set_threads: {threads} threads; need at least 1")
+        self._threads = threads
+
     def _compute(self, admitted: list[Request]) -> list[Request]:
         """One step in the worker thread: prefill the admitted, decode everyone, sample."""
         finished: list[Request] = []
         isolated = self.config.batch_invariant
+        # torch's intra-op thread count is per calling thread (OpenMP): set it here, in the
+        # thread that runs the forward, not in the event loop's.
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch.set_num_threads(self._threads)
+        self.stats["threads"] = torch.get_num_threads()  # what the forward really runs with
         with torch.inference_mode():
             if admitted:
                 new_batch, logits_BV = (prefill_isolated if isolated else prefill)(

@@ -25,6 +25,7 @@ from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.loop.faults import quote
 from rl_async.loop.publish import PublicationOps, Publisher
+from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
 
 
@@ -44,6 +45,7 @@ class Fleet(PublicationOps, Protocol):
     async def buffer_reserve(self, n_groups: int) -> None: ...
     async def producer_groups_owned(self) -> int: ...
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
+    async def set_threads(self, engine: int, trainer: int) -> None: ...
     async def evaluate(self) -> dict[str, float]: ...
     async def checkpoint(self, step: int, version: int) -> str: ...
     async def record_trained(self, step: int, version: int, groups: list[Group]) -> None: ...
@@ -76,6 +78,7 @@ class Progress:
     staleness_groups: int = 0
     nonfinite_updates: int = 0  # skipped by the trainer (rl_async/train/guard.py)
     phase: str = "starting"
+    bound: str = ""  # which side bounds the loop, once measured (rl_async/loop/threads.py)
 
 
 def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
@@ -137,6 +140,8 @@ class Controller:
         self.checkpoint_dir: str | None = None
         # a resumed run already holds the checkpoint of its start step
         self._checkpoint_step: int | None = start_step if start_step else None
+        self.threads = balancer_for(cfg)  # None: threads stay as planned
+        self._loop_s = 0.0  # collection + training + publication seconds, evaluations out
 
     async def run(self) -> dict[str, Any]:
         self._start = clock.now()
@@ -200,6 +205,9 @@ class Controller:
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
         self.calibration.observe_metrics(metrics)
+        self._loop_s += clock.now() - wait_start
+        if self.threads is not None:
+            await self._balance_threads(metrics)
         self.log(metrics, p.step)
         every = self.cfg.eval.every_steps
         if every and p.step % every == 0 and p.step < self.cfg.run.max_steps:
@@ -207,6 +215,15 @@ class Controller:
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self._checkpoint()
+
+    async def _balance_threads(self, metrics: dict[str, float]) -> None:
+        split = self.threads.observe(usage_from(metrics, self.cfg.cluster.trainer_workers,
+                                                self._loop_s, self.progress.step, clock.now()))
+        if split is not None:
+            await self._bounded(self.fleet.set_threads(split.engine, split.trainer),
+                                "setting torch threads")
+        self.progress.bound = self.threads.bound
+        metrics.update(self.threads.metrics())
 
     async def _gather_metrics(self, start: float) -> tuple[dict[str, float], float]:
         metrics = await self.fleet.metrics()
@@ -305,6 +322,8 @@ class Controller:
         room), evaluate, resume. Without it, generation goes on beside the evaluation: no
         publication can start before it ends, so the engines hold the evaluated weights."""
         self.log(await self._finish_publication(), self.progress.step)
+        if self.threads is not None:  # the evaluation's generation is not the loop's load
+            self.threads.interrupt()
         if not self.cfg.eval.drain and not generates_per_collection(self.cfg, self.plan):
             await self._evaluate()
             return
@@ -329,6 +348,8 @@ class Controller:
         """A checkpoint at this step (once): trainer state, ledger and the HF export."""
         p = self.progress
         if self._checkpoint_step != p.step:
+            if self.threads is not None:  # nor is the checkpoint's work
+                self.threads.interrupt()
             self.checkpoint_dir = await self._bounded(
                 self.fleet.checkpoint(p.step, self.version), f"the checkpoint of step {p.step}")
             self._checkpoint_step = p.step
@@ -389,6 +410,7 @@ class Controller:
                           "max_weight_staleness": self.plan.max_weight_staleness},
             "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
+            "threads": self.threads.summary() if self.threads is not None else None,
             "calibration": self.calibration.to_dict(
                 wall, self.plan.engines, self.plan.max_running_requests,
                 self.cfg.rollout.max_response_len, self.plan.producer_samples),

@@ -223,6 +223,9 @@ def engine_warnings(cfg: RunConfig) -> list[Warning_]:
 _ONLY_FOR = (
     ("engine.max_total_tokens", lambda c: c.engine.backend == "embedded",
      "the embedded engine's token budget (SGLang sizes its KV cache itself)"),
+    ("cluster.cpu_threads", lambda c: c.engine.backend == "embedded" and not
+     c.cluster.inference_gpus and not c.cluster.trainer_gpus,
+     "embedded engines and trainers on CPU"),
     ("engine.torch_threads", lambda c: c.engine.backend == "embedded"
      and not c.cluster.inference_gpus, "the CPU threads of an embedded engine on CPU"),
     ("sglang.mem_fraction_static", lambda c: c.engine.backend == "sglang", "an SGLang setting"),

@@ -62,6 +62,10 @@ class ClusterSection(Section):
     # CPU cores reserved for each engine / trainer worker actor (Ray resources).
     engine_cpus: PositiveFloat = 1.0
     trainer_cpus: PositiveFloat = 1.0
+    # torch threads on CPU: "auto" starts from the reservations above (engine.torch_threads
+    # per engine) and, after a measured window, gives the side that bounds the loop the cores
+    # the other leaves idle (rl_async/loop/threads.py); "fixed" keeps the start split.
+    cpu_threads: Literal["auto", "fixed"] = "auto"
     # Memory of one GPU, for the memory plan (`rl-async plan`): 80 (H100/A100), 141 (H200).
     gpu_memory_gb: PositiveFloat = 80.0
 

@@ -37,6 +37,7 @@ def simulate(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, steps: int
         raise ValueError(f"--steps = {steps}: simulate at least one optimizer update")
     cfg = cfg.model_copy(deep=True)
     cfg.run.max_steps = steps
+    cfg.cluster.cpu_threads = "fixed"  # simulated engines and trainers have no threads
     fleet = SimFleet(cfg, plan, timings, seed=cfg.run.seed if seed is None else seed)
     logged = {"paused_seconds": 0.0, "publication_seconds": 0.0}
 
