@@ -107,6 +107,7 @@ class RayFleet(FleetPublication):
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
         # The policy version engines hold (a replacement samples from a fresh seed stream).
         self.version_hint = resume.version if resume else 0
+        self.engine_threads = cfg.engine.torch_threads  # the thread balancer's (set_threads)
 
     async def bounded(self, ref, what: str, timeout_s: float = CONTROL_CALL_TIMEOUT_S):
         """A control call on another actor, with a deadline: a wedged actor surfaces as an
@@ -119,7 +120,11 @@ class RayFleet(FleetPublication):
     def start_engine(self, i: int):
         """Engine i in its placement-group bundle (at start, and for a replacement)."""
         c, gpu = self.cfg.cluster, self.cfg.cluster.inference_gpus > 0
-        return self._named(EngineActor, f"engine-{i}", self.cfg, i, self.version_hint,
+        cfg = self.cfg
+        if self.engine_threads != cfg.engine.torch_threads:  # a replacement keeps the split
+            cfg = cfg.model_copy(deep=True)
+            cfg.engine.torch_threads = self.engine_threads
+        return self._named(EngineActor, f"engine-{i}", cfg, i, self.version_hint,
                            pg=self.pgs[0], bundle=i, num_cpus=c.engine_cpus,
                            num_gpus=c.gpus_per_engine if gpu else 0, **nccl_env(gpu))
 
@@ -273,6 +278,7 @@ class RayFleet(FleetPublication):
     async def set_threads(self, engine: int, trainer: int) -> None:
         """torch threads per engine process and per trainer worker (rl_async/loop/threads.py);
         an engine that fails the call is lost like any engine call."""
+        self.engine_threads = engine
         await self._on_live_engines(lambda e: e.set_threads.remote(engine), "set_threads")
         await self.bounded(asyncio.gather(*(t.set_threads.remote(trainer)
                                             for t in self.trainers)), "trainer.set_threads")

@@ -12,11 +12,13 @@ seconds, the side's processes summed) and runs one trial:
         +-- no side bounds the loop: settled as planned
 
 A side bounds the loop when it keeps >= 3/4 of its threads busy while the other leaves at
-least 3/4 of a core idle. The bound side's threads grow to the cores minus what the other
-side was measured to use (rounded down, 1/4 core of slack), so in expectation the machine is
-never oversubscribed: the other side keeps its threads, but they sleep most of the time. That
-is the case of a small model's RL loop on a laptop: 16 samples of 12 tokens are a second of
-decode while the trainer needs ten on one core.
+least a quarter of a core idle. The bound side's threads grow to the cores minus what the
+other side was measured to use, plus 3/4 of a core of slack, rounded down: the other side
+keeps its threads, busy part of the time, so the machine may be oversubscribed by up to that
+slack, and the trial decides whether it pays. Measured on SmolLM2 (benchmarks/vs_trl.py,
+filter off): the engine used 0.52 of its core, the trainer got 2 threads, 5.88 -> 4.64 s per
+update; with the zero-variance filter the engine regenerates and uses 0.9 of its core, and
+the plan's split stays.
 
 A window is whole collections, at least `min_updates` optimizer updates and `min_seconds` of
 loop time; a collection with an evaluation or a checkpoint beside it is left out (`interrupt`:
@@ -31,8 +33,9 @@ import math
 from dataclasses import dataclass
 
 BUSY = 0.75          # a side using this share of its threads is saturated
-IDLE_CORES = 0.75    # ... while the other leaves this many cores idle
-SLACK = 0.25         # cores of expected oversubscription tolerated when lending
+IDLE_CORES = 0.25    # ... while the other leaves this many cores idle
+SLACK = 0.75         # cores of oversubscription tolerated when lending (the trial reverts
+                     # a split that contention makes slower)
 KEEP_IF_FASTER = 0.95  # a trial is kept when seconds per update drop below 95%
 
 

@@ -65,6 +65,9 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     assert summary["export_dir"] == str(run_dir / "step_000004" / "hf")
     # Checkpoints at steps 2 and 4 hold the trainer state, the ledger and the export.
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000002", "step_000004"]
+    # the thread balancer's record (4 short updates: it may not have decided yet)
+    assert summary["threads"]["planned"] == {"engine": 1, "trainer": 1}
+    assert summary["threads"]["state"] in ("measuring", "trial", "settled")
     assert (run_dir / "step_000002" / "meta.json").is_file()
     assert (run_dir / "step_000002" / "hf" / "config.json").is_file()
 
@@ -161,3 +164,32 @@ def test_mixed_policy_refresh_run_loses_nothing(ray_cluster, tmp_path):
     assert_ledger_closed(summary)
     # In-flight requests survive publications: nothing is aborted for an update.
     assert summary["ledger"]["aborted_groups"] == 0
+
+
+def test_set_threads_reaches_the_threads_that_compute(ray_cluster):
+    # torch's thread count is per calling thread: the engine's forward runs in a worker
+    # thread, the trainer's in Ray's task thread; both report what they really ran with.
+    from actors.fleet import RayFleet
+
+    cfg, report = small("cluster_configs/local.toml", name="t-threads")
+
+    async def main():
+        fleet = RayFleet(cfg, report.plan)
+        try:
+            await fleet.start()
+            producer = await fleet.producer_task()
+            first = await fleet.train(await fleet.get_groups(4, 0), 0)
+            assert first["trainer/threads"] == 1.0
+            assert (await fleet.metrics())["engine/0/threads"] == 1.0
+            await fleet.set_threads(2, 2)
+            await fleet.evaluate()  # engine steps after the change
+            assert (await fleet.metrics())["engine/0/threads"] == 2.0
+            second = await fleet.train(await fleet.get_groups(4, 0), 0)
+            assert second["trainer/threads"] == 2.0
+            assert second["trainer/cpu_seconds"] > first["trainer/cpu_seconds"] > 0
+            await fleet.producer_stop()
+            producer.cancel()
+        finally:
+            await fleet.shutdown()
+
+    asyncio.run(main())

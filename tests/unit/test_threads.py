@@ -66,14 +66,22 @@ def test_a_bound_engine_gets_the_idle_trainer_core():
     assert b.bound == "engine"
 
 
-def test_no_core_is_lent_that_the_other_side_uses():
-    # the engine uses 0.6 of its core: lending it would oversubscribe the machine
+def test_a_core_half_used_is_lent_as_a_trial():
+    # SmolLM2 with the filter off: the engine used 0.52 of its core; 2 threads paid
     b = balancer()
     f = Feed(b)
-    f.window(0.6, 0.97, 2.0, updates=1)
-    assert f.window(0.6, 0.97, 2.0) is None
-    assert (b.state, b.bound, b.split) == ("settled", "trainer", Split(1, 1))
-    assert "no core is idle" in b.decision
+    f.window(0.52, 1.0, 5.9, updates=1)
+    assert f.window(0.52, 1.0, 5.9) == Split(engine=1, trainer=2)
+
+
+def test_no_core_is_lent_that_the_other_side_uses():
+    # the engine uses 0.8 of its core: lending it would oversubscribe the machine
+    b = balancer()
+    f = Feed(b)
+    f.window(0.8, 0.97, 2.0, updates=1)
+    assert f.window(0.8, 0.97, 2.0) is None
+    assert (b.state, b.bound, b.split) == ("settled", "both", Split(1, 1))
+    assert "the machine is full" in b.decision
 
 
 def test_both_busy_or_neither_busy_keeps_the_plan():
@@ -111,7 +119,7 @@ def test_several_trainer_workers_share_the_lent_cores():
     b = ThreadBalancer(4.0, 2, 2, Split(1, 1), min_updates=1, min_seconds=0.1)
     f = Feed(b)
     f.window(0.2, 1.9, 1.0, updates=1)
-    assert f.window(0.2, 1.9, 1.0, updates=1) == Split(engine=1, trainer=2)  # 4.05 // 2
+    assert f.window(0.2, 1.9, 1.0, updates=1) == Split(engine=1, trainer=2)  # (4 + 0.75 - 0.2) // 2
 
 
 def test_usage_sums_engines_and_scales_the_reporting_trainer_rank():
