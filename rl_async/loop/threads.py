@@ -22,9 +22,10 @@ the plan's split stays.
 
 A window is whole collections, at least `min_updates` optimizer updates and `min_seconds` of
 loop time; a collection with an evaluation or a checkpoint beside it is left out (`interrupt`:
-an evaluation's generation would count as the engine's load). One trial per run: the decision is measured, logged
-(`threads/*`, the summary's `threads`) and not revisited, so a noisy window cannot make the
-split oscillate. Pure: the fleet applies a split (`set_threads` on its actors).
+an evaluation's generation would count as the engine's load). One trial per run: the decision
+is measured, logged (`threads/*`, the summary's `threads`) and not revisited, so a noisy
+window cannot make the split oscillate. Pure: the fleet applies a split (`set_threads` on its
+actors).
 """
 
 from __future__ import annotations
