@@ -15,6 +15,7 @@ import torch
 
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
+from rl_async.loop.threads import initial_split
 from rl_async.state.models import resolve_dtype
 from rl_async.state.hf_export import export_hf
 from rl_async.base.types import Group
@@ -70,7 +71,7 @@ class TrainerWorker:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         if not cfg.cluster.trainer_gpus:
-            torch.set_num_threads(max(1, int(cfg.cluster.trainer_cpus)))
+            torch.set_num_threads(initial_split(cfg).trainer)  # the plan's, one source
         self._threads = torch.get_num_threads()
         self.trainer = None
         self._sender: PublicationSender | None = None  # rank 0, on first use

@@ -31,7 +31,7 @@ actors).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 BUSY = 0.75          # a side using this share of its threads is saturated
 IDLE_CORES = 0.25    # ... while the other leaves this many cores idle
@@ -104,8 +104,7 @@ class ThreadBalancer:
         self.engine_cores = self.trainer_cores = 0.0  # last window's measured use
         self._last: Usage | None = None
         self._dirty = False
-        # the window's sums: engine CPU s, trainer CPU s, wall s, loop s, updates
-        self._window = [0.0] * 5
+        self._window = [0.0] * 5  # the window's sums of Usage's fields, in their order
         self._before_s_per_update = 0.0
 
     def interrupt(self) -> None:
@@ -122,14 +121,9 @@ class ThreadBalancer:
                 or usage.trainer_cpu_s < last.trainer_cpu_s:  # the first, or a restart
             self._dirty = False
             return None
-        w = self._window
-        for i, (now, then) in enumerate(zip(
-                (usage.engine_cpu_s, usage.trainer_cpu_s, usage.wall_s, usage.loop_s,
-                 usage.updates),
-                (last.engine_cpu_s, last.trainer_cpu_s, last.wall_s, last.loop_s,
-                 last.updates))):
-            w[i] += now - then
-        engine_s, trainer_s, wall, loop_s, updates = w
+        self._window = [w + now - then for w, now, then
+                        in zip(self._window, astuple(usage), astuple(last))]
+        engine_s, trainer_s, loop_s, updates, wall = self._window
         if updates < self.min_updates or loop_s < self.min_seconds or wall <= 0:
             return None
         self._window = [0.0] * 5
