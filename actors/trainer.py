@@ -57,7 +57,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
         lr_schedule=t.lr_schedule, total_steps=t.lr_schedule_steps or cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
         global_batch_size=plan.global_batch_size, micro_batch_size=t.micro_batch_size,
-        max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        max_tokens_per_microbatch=t.max_tokens_per_microbatch, share_prompts=t.share_prompts,
         max_nonfinite_updates=t.max_nonfinite_updates,
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,

@@ -10,25 +10,14 @@ prefilled batch); a decode step only appends one column.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rl_async.engine.scheduler import Request
+from rl_async.state.models import cache_kwarg
 
 PAD_ID = 0  # any valid id: padded positions are masked out and their KV zeroed
-
-
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    """transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`."""
-    name = getattr(model, "_rl_async_cache_kwarg", None)
-    if name is None:
-        params = inspect.signature(model.forward).parameters
-        name = "cache" if "cache" in params else "past_key_values"
-        model._rl_async_cache_kwarg = name
-    return name
 
 
 class GrowingLayer(DynamicLayer):
@@ -176,7 +165,7 @@ def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch
     positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
     cache = new_cache()
     out = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=positions_BL,
-                use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): cache})
+                use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     # Zero the KV of padded positions: a fully masked query row can produce NaN in later
     # layers, and NaN * 0 attention weight is still NaN.
     real_B1L1 = mask_BL[:, None, :, None].bool()
@@ -193,7 +182,7 @@ def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
     mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)], dim=1)
     positions_B1 = mask_BL.sum(dim=1, keepdim=True) - 1
     out = model(input_ids=ids_B1, attention_mask=mask_BL, position_ids=positions_B1,
-                use_cache=True, **{_cache_kwarg(model): batch.cache})
+                use_cache=True, **{cache_kwarg(model): batch.cache})
     batch.mask_BL = mask_BL
     return out.logits[:, -1]
 
@@ -238,7 +227,7 @@ def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
                         attention_mask=torch.ones((1, real + 1), dtype=torch.long,
                                                   device=device),
                         position_ids=torch.tensor([[real]], device=device),
-                        use_cache=True, **{_cache_kwarg(model): cache})
+                        use_cache=True, **{cache_kwarg(model): cache})
             done[key] = (out.logits[:, -1], [(layer.keys[:, :, -1:], layer.values[:, :, -1:])
                                              for layer in cache.layers])
         logits.append(done[key][0])

@@ -228,6 +228,8 @@ _ONLY_FOR = (
      "embedded engines and trainers on CPU"),
     ("engine.torch_threads", lambda c: c.engine.backend == "embedded"
      and not c.cluster.inference_gpus, "the CPU threads of an embedded engine on CPU"),
+    ("train.share_prompts", lambda c: c.train.backend == "torch",
+     "the torch trainer's (megatron runs every row whole)"),
     ("sglang.mem_fraction_static", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.port_base", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.startup_timeout_s", lambda c: c.engine.backend == "sglang", "an SGLang setting"),

@@ -193,6 +193,9 @@ class TrainSection(Section):
     # Micro-batches by a padded-token budget (rows x longest sequence) instead of
     # micro_batch_size rows: long responses then never share a micro-batch with many others.
     max_tokens_per_microbatch: PositiveInt | None = None
+    # torch backend: each distinct prompt of a micro-batch runs once and the group's samples
+    # continue from its keys/values (rl_async/train/prefix.py): the same gradient, less compute.
+    share_prompts: bool = True
     # megatron: "transformer_engine" (fused/flash attention, no s x s matrix; needs TE on a
     # GPU), "local" (megatron's unfused attention: builds the s x s scores in fp32), or
     # "auto" (TE when it is importable on a GPU, else local; the memory plan assumes TE on GPU).

@@ -10,6 +10,8 @@ from local files only (no hub access at run time).
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 DTYPES = {
@@ -30,6 +32,16 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(value, torch.dtype):
         return value
     raise ValueError(f"dtype = {dtype!r}: unknown; use one of {sorted(DTYPES)}")
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers >= 5.2x names the cache argument `cache`; older ones `past_key_values`."""
+    name = getattr(model, "_rl_async_cache_kwarg", None)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        model._rl_async_cache_kwarg = name
+    return name
 
 
 def build_causal_lm(hf_config: dict | None = None, path: str | None = None, seed: int = 0,

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from rl_async.base.types import Sample
+from rl_async.train import prefix
 from rl_async.train.logits import token_logprobs as chunked_logprobs
 
 
@@ -61,6 +62,19 @@ def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
                      loss_mask=[int(m) for m in sample.loss_mask] if sample.loss_mask else None)
 
 
+def contributing(items: Sequence[TrainItem]) -> Sequence[TrainItem]:
+    """The samples an optimizer step runs: those whose advantage is not exactly 0.
+
+    A zero-advantage sample (a group whose rewards are all equal) adds exactly 0 to the
+    gradient: -A·r and its clipped twin are 0 at every token. It is not run; its tokens
+    stay in the token mean's denominator (`TorchTrainer._global_tokens`), so the gradient is
+    the one of running it. One sample is kept when none contribute: every rank still runs
+    the backward DDP synchronises on, and AdamW steps on the zero gradient (its momentum
+    moves the weights) as it would have. The loss, ratio, TIS and entropy metrics are over the samples run."""
+    run = [it for it in items if it.advantage != 0.0]
+    return run or list(items[:1])
+
+
 def micro_batches(items: Sequence[TrainItem], size: int,
                   max_tokens: int | None = None) -> list[Sequence[TrainItem]]:
     """Consecutive micro-batches of `items`: `size` items each, or, with `max_tokens`
@@ -94,9 +108,13 @@ class PackedBatch:
     advantages_BT: Tensor
     versions_BT: Tensor        # int64, −1 where unknown or masked
     spans: list[tuple[int, int]]  # per row: [begin, end) of its response on the T axis
+    shared: prefix.SharedPrompts | None = None  # set: score each distinct prompt once
 
 
-def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0) -> PackedBatch:
+def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0,
+         share_prompts: bool = False) -> PackedBatch:
+    """`share_prompts`: lay the rows out to run each distinct prompt once (train/prefix.py)
+    where some prompt repeats; the scores and gradients are the plain layout's."""
     if not items:
         raise ValueError("pack() needs at least one item")
     lengths = [len(it.prompt_ids) + it.response_len for it in items]
@@ -136,7 +154,8 @@ def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0
         input_ids_BL=ids.to(dev), attention_mask_BL=attn.to(dev), start=start,
         targets_BT=ids[:, start + 1:].to(dev), mask_BT=mask.to(dev),
         behavior_BT=behavior.to(dev), anchor_BT=anchor.to(dev) if have_anchor else None,
-        advantages_BT=adv.to(dev), versions_BT=versions.to(dev), spans=spans)
+        advantages_BT=adv.to(dev), versions_BT=versions.to(dev), spans=spans,
+        shared=prefix.plan(items, start, T, dev, pad_id) if share_prompts else None)
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float,
@@ -147,6 +166,9 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: floa
     behaviour log-prob, so anchor and behaviour are comparable. Entropy (of the same
     tempered distribution, detached) is returned when asked.
     """
+    if batch.shared is not None:
+        return prefix.token_logprobs(model, batch.shared, batch.targets_BT.shape[1],
+                                     temperature, with_entropy)
     L = batch.input_ids_BL.shape[1]
     keep = L - batch.start  # logits for positions start .. L-1
     out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
@@ -154,6 +176,20 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: floa
     # Over vocabulary chunks: no fp32 copy of the logits (rl_async/train/logits.py).
     return chunked_logprobs(out.logits[:, :-1], batch.targets_BT, temperature,
                             with_entropy=with_entropy)
+
+
+class PolicyScorer(torch.nn.Module):
+    """`token_logprobs` as a module. DDP wraps this rather than the model: a micro-batch of
+    shared prompts runs the model twice (prefixes, then rows), and DDP allows one forward of
+    the module it wraps per backward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: PackedBatch, temperature: float, with_entropy: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        return token_logprobs(self.model, batch, temperature, with_entropy)
 
 
 def unpack_rows(values_BT: Tensor, batch: PackedBatch) -> list[list[float]]:

@@ -12,7 +12,9 @@ train_collection(groups, v)
            the scoring pass, a third of the step's compute, is not spent)
   for each optimizer step of global_batch_size // world_size samples on this rank:
       zero grads
-      for each micro-batch:  (DDP no_sync on all but the last)
+      skip the zero-advantage samples (exactly 0 gradient; batching.contributing)
+      for each micro-batch:  (DDP no_sync on all but the last; a group's shared prompt
+                              runs once: train/prefix.py)
           θ = log_softmax(logits / temperature)[token]
           loss = Σ PPO+TIS token losses · world_size / (step's response tokens on ALL ranks)
           backward                       (DDP averages → exact global token mean)
@@ -43,8 +45,8 @@ from torch.nn.parallel import DistributedDataParallel
 from rl_async.algo import loss as loss_lib
 from rl_async.algo.advantages import get_advantage_fn, group_advantages
 from rl_async.state import trainer_state as ckpt
-from rl_async.train.batching import (TrainItem, item_from_sample, micro_batches, pack,
-                                     token_logprobs, unpack_rows)
+from rl_async.train.batching import (PolicyScorer, TrainItem, contributing, item_from_sample,
+                                     micro_batches, pack, unpack_rows)
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
@@ -93,6 +95,9 @@ class TorchTrainerConfig:
     device: str = "auto"              # "auto" = cuda when available, else cpu
     bf16: bool = True                 # bf16 autocast; only on GPU
     compute_entropy: bool = True
+    # Run each distinct prompt of a micro-batch once, its KV shared by the group's samples
+    # (train/prefix.py): the same log-probs and gradients, a fraction of the compute.
+    share_prompts: bool = True
     # Skipped non-finite updates in a row before the run stops (rl_async/train/guard.py).
     max_nonfinite_updates: int = 3
     pad_token_id: int = 0
@@ -160,11 +165,12 @@ class TorchTrainer:
         self.model = build_causal_lm(config.hf_config, config.model_path, config.seed,
                                      "float32", device=str(self.device))
         self._distributed = is_distributed(world_size)
+        self._scorer = PolicyScorer(self.model)
         self._ddp: DistributedDataParallel | None = None
         if self._distributed:
             device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
             # DDP broadcasts rank 0's weights at construction: every rank starts identical.
-            self._ddp = DistributedDataParallel(self.model, device_ids=device_ids)
+            self._ddp = DistributedDataParallel(self._scorer, device_ids=device_ids)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, betas=config.betas, eps=config.adam_eps,
             weight_decay=config.weight_decay)
@@ -184,9 +190,9 @@ class TorchTrainer:
         out: list[list[float]] = []
         for chunk in micro_batches(items, self.config.micro_batch_size,
                                    self.config.max_tokens_per_microbatch):
-            batch = pack(chunk, self.device, self.config.pad_token_id)
+            batch = pack(chunk, self.device, self.config.pad_token_id, self.config.share_prompts)
             with self._forward_ctx():
-                logprobs_BT, _ = token_logprobs(self.model, batch, self.config.temperature)
+                logprobs_BT, _ = self._scorer(batch, self.config.temperature)
             out.extend(unpack_rows(logprobs_BT, batch))
         return out
 
@@ -211,8 +217,12 @@ class TorchTrainer:
         elif len(items) <= self.per_rank_batch:
             pass  # one optimizer step: anchor = the training forward, detached (_micro_batch)
         else:
-            # The PPO anchor: pre-update weights, scored once before the first step.
-            for it, anchor in zip(items, self._score_items(items)):
+            # The PPO anchor: pre-update weights, scored once before the first step, for the
+            # samples that are run (a skipped one's gradient is 0 whatever its anchor).
+            run = contributing(items)
+            for it in items:
+                it.anchor_logprobs = list(it.behavior_logprobs)
+            for it, anchor in zip(run, self._score_items(run)):
                 it.anchor_logprobs = anchor
         return items
 
@@ -251,6 +261,7 @@ class TorchTrainer:
         metrics.update({
             "train/optimizer_steps": float(len(steps)),
             "train/response_tokens": float(sum(m["train/response_tokens"] for m in per_step)),
+            "train/skipped_samples": sum(m["train/skipped_samples"] for m in per_step),
             "train/nonfinite_updates": sum(m["train/nonfinite_updates"] for m in per_step),
             "train/step": float(self.step),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
@@ -274,11 +285,10 @@ class TorchTrainer:
                      ) -> tuple[dict[str, float], dict[str, float], Tensor]:
         """Forward + backward of one micro-batch; returns its sums, maxes and ratios."""
         cfg = self.config
-        batch = pack(items, self.device, cfg.pad_token_id)
-        model = self._ddp if self._ddp is not None else self.model
+        batch = pack(items, self.device, cfg.pad_token_id, cfg.share_prompts)
+        scorer = self._ddp if self._ddp is not None else self._scorer
         with self._forward_ctx():
-            logprobs_BT, entropy_BT = token_logprobs(model, batch, cfg.temperature,
-                                                     with_entropy=cfg.compute_entropy)
+            logprobs_BT, entropy_BT = scorer(batch, cfg.temperature, cfg.compute_entropy)
         # No scored anchor: this is the collection's only optimizer step, so the weights
         # are still the pre-update ones and the anchor is this forward, detached (ratio 1).
         anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()
@@ -302,8 +312,11 @@ class TorchTrainer:
         # average into the exact token mean over the whole step on every rank.
         scale = self.world_size / max(global_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        micro = micro_batches(items, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
-        sums: dict[str, float] = {}
+        run = contributing(items)
+        micro = micro_batches(run, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
+        sums: dict[str, float] = {"skipped_samples": float(len(items) - len(run)),
+                                  "skipped_tokens": float(sum(it.trained_tokens for it in items)
+                                                          - sum(it.trained_tokens for it in run))}
         maxes: dict[str, float] = {}
         ratios = []
         for k, mb in enumerate(micro):
@@ -334,12 +347,13 @@ class TorchTrainer:
         self.guard.record(self.step, metrics["train/loss"], grad_norm, took)
         n = max(sums["tokens"], 1.0)
         metrics.update({
+            "train/skipped_samples": sums["skipped_samples"],
             "train/nonfinite_updates": 0.0 if took else 1.0,
             "train/entropy": sums["entropy_sum"] / n,
             "train/grad_norm": grad_norm,
             "train/stale_token_fraction": (sums["stale_tokens"] / sums["versioned_tokens"]
                                            if sums["versioned_tokens"] else 0.0),
-            "train/response_tokens": sums["tokens"],
+            "train/response_tokens": sums["tokens"] + sums["skipped_tokens"],
         })
         return metrics
 

@@ -266,10 +266,10 @@ def test_steps_feed_the_decode_curve():
 def test_a_groups_shared_prompt_is_prefilled_once_and_samples_stay_independent():
     """n samples of one prompt admitted together run ONE prefill row (kv_batch.prefill), and
     each sample's log-probs still equal a full forward over its own tokens."""
-    from rl_async.engine.kv_batch import _cache_kwarg
+    from rl_async.state.models import cache_kwarg
 
     engine = make_engine(max_running_requests=8)
-    _cache_kwarg(engine.model)  # resolved off the real forward's signature, before the wrap
+    cache_kwarg(engine.model)  # resolved off the real forward's signature, before the wrap
     widths = []
     forward = engine.model.forward
 
