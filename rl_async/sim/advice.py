@@ -10,6 +10,8 @@ named:
     trainer wait < TARGET_WAIT and generation idle > IDLE_LIMIT -> the trainer is the
         bottleneck: fewer engines that keep the wait under target
     discarded groups > DISCARD_LIMIT -> max_weight_staleness x2 (and x4 when x2 is not enough)
+    GPUs for engines and for the trainer -> the split of the same GPUs that simulates the
+        most steps/hour, when it beats the file's by 5% (rl_async/sim/split.py)
 
 Candidates are simulated for fewer steps than `simulate` by default (PLAN_STEPS): a warning
 is a direction and an order of magnitude, not a forecast to the percent.
@@ -18,13 +20,16 @@ is a direction and an order of magnitude, not a forecast to the percent.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Callable
 
 from rl_async.plan.capacity import Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.load import load_config
 from rl_async.sim.calibrate import sim_timings
+from rl_async.engine.timing import TrainerTiming
 from rl_async.sim.run import simulate
+from rl_async.sim.split import split_warning
 
 TARGET_WAIT = 0.05
 IDLE_LIMIT = 0.30
@@ -47,9 +52,13 @@ def simulated_warnings(path: str, overrides: tuple[str, ...], cfg: RunConfig,
     """(the file's prediction, warnings with simulated consequences)."""
     steps = min(cfg.run.max_steps, steps)
 
-    def run(extra: tuple[str, ...]) -> dict[str, Any]:
+    def run(extra: tuple[str, ...], trainer_scale: float = 1.0) -> dict[str, Any]:
         c = load_config(path, (*overrides, *extra))
-        return simulate(c, plan_capacity(c)[0], sim_timings(c, calibration), steps)
+        timings = sim_timings(c, calibration)
+        if trainer_scale != 1.0:  # another trainer size than the measured one (sim/split.py)
+            per_sample = timings.trainer.seconds_per_sample * trainer_scale
+            timings = replace(timings, trainer=TrainerTiming(per_sample))
+        return simulate(c, plan_capacity(c)[0], timings, steps)
 
     base = run(())
     engines = plan_capacity(cfg)[0].engines
@@ -61,6 +70,9 @@ def simulated_warnings(path: str, overrides: tuple[str, ...], cfg: RunConfig,
         out.append(_fewer_engines(cfg, engines, idle, run))
     if base["discarded_groups_fraction"] > DISCARD_LIMIT:
         out.append(_more_lag(cfg, base, run))
+    split = split_warning(path, overrides, cfg, base, run)
+    if split is not None:
+        out.append(split)
     return base, out
 
 
