@@ -30,15 +30,9 @@ def group_normalized(rewards: Sequence[float]) -> list[float]:
     n = len(rewards)
     if n == 0:
         return []
-    if _all_equal(rewards):
-        return [0.0] * n  # exactly: fsum / n may round, and the trainer skips exact zeros
     mean = math.fsum(rewards) / n
     std = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / n)
     return [(r - mean) / (std + STD_EPS) for r in rewards]
-
-
-def _all_equal(rewards: Sequence[float]) -> bool:
-    return all(r == rewards[0] for r in rewards)
 
 
 def mean_only(rewards: Sequence[float]) -> list[float]:
@@ -46,8 +40,6 @@ def mean_only(rewards: Sequence[float]) -> list[float]:
     n = len(rewards)
     if n == 0:
         return []
-    if _all_equal(rewards):
-        return [0.0] * n
     mean = math.fsum(rewards) / n
     return [r - mean for r in rewards]
 
