@@ -62,19 +62,6 @@ def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
                      loss_mask=[int(m) for m in sample.loss_mask] if sample.loss_mask else None)
 
 
-def contributing(items: Sequence[TrainItem]) -> Sequence[TrainItem]:
-    """The samples an optimizer step runs: those whose advantage is not exactly 0.
-
-    A zero-advantage sample (a group whose rewards are all equal) adds exactly 0 to the
-    gradient: -A·r and its clipped twin are 0 at every token. It is not run; its tokens
-    stay in the token mean's denominator (`TorchTrainer._global_tokens`), so the gradient is
-    the one of running it. One sample is kept when none contribute: every rank still runs
-    the backward DDP synchronises on, and AdamW steps on the zero gradient (its momentum
-    moves the weights) as it would have. The loss, ratio, TIS and entropy metrics are over the samples run."""
-    run = [it for it in items if it.advantage != 0.0]
-    return run or list(items[:1])
-
-
 def micro_batches(items: Sequence[TrainItem], size: int,
                   max_tokens: int | None = None) -> list[Sequence[TrainItem]]:
     """Consecutive micro-batches of `items`: `size` items each, or, with `max_tokens`

@@ -12,7 +12,6 @@ train_collection(groups, v)
            the scoring pass, a third of the step's compute, is not spent)
   for each optimizer step of global_batch_size // world_size samples on this rank:
       zero grads
-      skip the zero-advantage samples (exactly 0 gradient; batching.contributing)
       for each micro-batch:  (DDP no_sync on all but the last; a group's shared prompt
                               runs once: train/prefix.py)
           θ = log_softmax(logits / temperature)[token]
@@ -45,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel
 from rl_async.algo import loss as loss_lib
 from rl_async.algo.advantages import get_advantage_fn, group_advantages
 from rl_async.state import trainer_state as ckpt
-from rl_async.train.batching import (PolicyScorer, TrainItem, contributing, item_from_sample,
+from rl_async.train.batching import (PolicyScorer, TrainItem, item_from_sample,
                                      micro_batches, pack, unpack_rows)
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
@@ -217,12 +216,8 @@ class TorchTrainer:
         elif len(items) <= self.per_rank_batch:
             pass  # one optimizer step: anchor = the training forward, detached (_micro_batch)
         else:
-            # The PPO anchor: pre-update weights, scored once before the first step, for the
-            # samples that are run (a skipped one's gradient is 0 whatever its anchor).
-            run = contributing(items)
-            for it in items:
-                it.anchor_logprobs = list(it.behavior_logprobs)
-            for it, anchor in zip(run, self._score_items(run)):
+            # The PPO anchor: pre-update weights, scored once before the first step.
+            for it, anchor in zip(items, self._score_items(items)):
                 it.anchor_logprobs = anchor
         return items
 
@@ -261,7 +256,6 @@ class TorchTrainer:
         metrics.update({
             "train/optimizer_steps": float(len(steps)),
             "train/response_tokens": float(sum(m["train/response_tokens"] for m in per_step)),
-            "train/skipped_samples": sum(m["train/skipped_samples"] for m in per_step),
             "train/nonfinite_updates": sum(m["train/nonfinite_updates"] for m in per_step),
             "train/step": float(self.step),
             "train/lr": float(self.optimizer.param_groups[0]["lr"]),
@@ -312,11 +306,8 @@ class TorchTrainer:
         # average into the exact token mean over the whole step on every rank.
         scale = self.world_size / max(global_tokens, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
-        run = contributing(items)
-        micro = micro_batches(run, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
-        sums: dict[str, float] = {"skipped_samples": float(len(items) - len(run)),
-                                  "skipped_tokens": float(sum(it.trained_tokens for it in items)
-                                                          - sum(it.trained_tokens for it in run))}
+        micro = micro_batches(items, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
+        sums: dict[str, float] = {}
         maxes: dict[str, float] = {}
         ratios = []
         for k, mb in enumerate(micro):
@@ -347,13 +338,12 @@ class TorchTrainer:
         self.guard.record(self.step, metrics["train/loss"], grad_norm, took)
         n = max(sums["tokens"], 1.0)
         metrics.update({
-            "train/skipped_samples": sums["skipped_samples"],
             "train/nonfinite_updates": 0.0 if took else 1.0,
             "train/entropy": sums["entropy_sum"] / n,
             "train/grad_norm": grad_norm,
             "train/stale_token_fraction": (sums["stale_tokens"] / sums["versioned_tokens"]
                                            if sums["versioned_tokens"] else 0.0),
-            "train/response_tokens": sums["tokens"] + sums["skipped_tokens"],
+            "train/response_tokens": sums["tokens"],
         })
         return metrics
 

@@ -20,13 +20,17 @@ CFG = dict(hf_config=TINY, lr=1e-3, global_batch_size=8, micro_batch_size=2, dev
 
 
 def make_groups(seed=0, n_groups=4, group_size=4):
-    """Groups with different response lengths, so the ranks' token counts differ."""
+    """Groups with different response lengths, so the ranks' token counts differ. The even
+    groups' samples share their prompt (rank 0 scores them through train/prefix.py's shared
+    prefixes), the odd groups' samples each have their own (rank 1: the plain forward)."""
     rng = random.Random(seed)
     groups = []
     for g in range(n_groups):
         samples = []
+        shared = [rng.randrange(32) for _ in range(rng.randint(2, 6))]
         for s in range(group_size):
-            prompt = [rng.randrange(32) for _ in range(rng.randint(2, 6))]
+            prompt = (list(shared) if g % 2 == 0
+                      else [rng.randrange(32) for _ in range(rng.randint(2, 6))])
             n = rng.randint(1, 3) if g % 2 == 0 else rng.randint(5, 9)
             resp = [rng.randrange(32) for _ in range(n)]
             samples.append(Sample(f"p{g}", response_ids=resp, prompt_ids=prompt,
