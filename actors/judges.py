@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from rl_async.algo.judging import DEPLOYMENT_NAME, JudgeDeployment
 from rl_async.algo.rewards import load_callable
-from rl_async.algo.tasks import successor_reward
+from rl_async.algo.successor import successor_reward
 from rl_async.base.types import Sample
 
 

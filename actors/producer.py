@@ -29,7 +29,7 @@ from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.seeding import eval_seed
 from rl_async.loop.trajectory import turn_request
 from rl_async.loop.environment_runner import build_environment_runner
-from rl_async.algo.tasks import ENV_TASKS, stop_token_ids
+from rl_async.algo.tasks import ENV_TASKS, response_budget, stop_token_ids
 from rl_async.base.types import Sample
 
 
@@ -119,6 +119,9 @@ class ProducerActor:
             params = dataclasses.replace(params, seed=sample.seed)
         if max_new_tokens is not None:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+        budget = response_budget(sample.metadata, params.max_new_tokens, sample.prompt_id)
+        if budget != params.max_new_tokens:  # the row's own budget (task.count_tokens, JSONL)
+            params = dataclasses.replace(params, max_new_tokens=budget)
         cost, sticky = len(sample.prompt_ids) + params.max_new_tokens, max_new_tokens is not None
         try:
             index = self.router.pick(group_id, cost, sticky)

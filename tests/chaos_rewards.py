@@ -1,7 +1,7 @@
 """Reward functions for chaos tests: a verifier that goes down mid-run, as a judge service
 does. Importable by the reward actor (tests/ is on the workers' PYTHONPATH)."""
 
-from rl_async.algo.tasks import successor_reward
+from rl_async.algo.successor import successor_reward
 
 CALLS = {"n": 0}
 FAIL_AFTER = 400

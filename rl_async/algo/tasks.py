@@ -4,12 +4,7 @@ A prompt source is deterministic in its cursor: `prompt(cursor)` always returns 
 prompt for the same cursor and seed, so the ledger can checkpoint a cursor and restore the
 exact stream (LESSONS: miles#2254 lost groups when the cursor ran ahead of training).
 
-Built-in task "successor": the prompt is `BOS d1 .. dk` (k = task.prompt_digits digits in
-[0, modulus)); the reward is 1.0 when the first response token is (dk + 1) mod modulus,
-else 0.0. The leading digits are distractors, so the policy must learn to read the right
-position and apply the rule; a tenth of the digit strings is held out for evaluation, so the
-eval reward measures generalisation to unseen prompts, not memorisation. A random tiny model
-starts near 1/vocab and RL lifts it close to 1.0 in a few dozen updates on a CPU.
+Built-in task "successor": rl_async.algo.successor.
 
 JSONL rows: {"prompt_ids": [int, ...], ...}, {"prompt": "text", "answer": "..."} or
 {"messages": [{"role": "system", "content": ...}, {"role": "user", ...}], "answer": ...}.
@@ -82,32 +77,6 @@ class PromptSource:
         samples = [Sample(prompt_id=p.prompt_id, prompt_ids=list(p.prompt_ids),
                           metadata=dict(p.metadata)) for _ in range(group_size)]
         return Group(group_id=f"c{cursor}:{p.prompt_id}", samples=samples)
-
-
-def successor_prompts(modulus: int, vocab_size: int, digits: int = 3,
-                      split: str = "train") -> list[Prompt]:
-    """All `modulus ** digits` digit strings. Strings whose digit sum is a multiple of 10 are
-    the held-out eval split: every answer digit occurs there, with unseen leading digits."""
-    if DIGIT0 + modulus > vocab_size:
-        raise DatasetError(
-            f"task.modulus = {modulus} needs a vocabulary of at least {DIGIT0 + modulus} tokens "
-            f"(4 specials + digits); model.hf_config.vocab_size = {vocab_size}")
-    prompts = []
-    for index in range(modulus ** digits):
-        ds = [(index // modulus ** i) % modulus for i in reversed(range(digits))]
-        if (sum(ds) % 10 == 0) != (split == "eval"):
-            continue
-        prompts.append(Prompt(
-            prompt_id="succ" + "-".join(map(str, ds)),
-            prompt_ids=[BOS] + [DIGIT0 + d for d in ds],
-            metadata={"answer_ids": [DIGIT0 + (ds[-1] + 1) % modulus]}))
-    return prompts
-
-
-def successor_reward(sample: Sample) -> float:
-    """1.0 when the response starts with the expected answer token(s), else 0.0."""
-    answer = sample.metadata["answer_ids"]
-    return 1.0 if list(sample.response_ids[: len(answer)]) == list(answer) else 0.0
 
 
 def exact_match_reward(sample: Sample) -> float:
@@ -189,10 +158,24 @@ def _row_to_prompt(row: Any, where: str, tokenizer=None, vocab_size: int | None 
                            f"digits work without)")
     ids = _check_ids(ids, where, field_name, vocab_size)
     meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "prompt", "messages", "id")}
+    if "max_new_tokens" in meta:
+        response_budget(meta, 1, where)  # checked at load, not at the first request
     if ("answer" in meta and "answer_ids" not in meta and tokenizer is None
             and str(meta["answer"]).isdigit()):
         meta["answer_ids"] = [DIGIT0 + int(ch) for ch in str(meta["answer"])]
     return Prompt(prompt_id=str(row.get("id", where)), prompt_ids=list(ids), metadata=meta)
+
+
+def response_budget(metadata: dict[str, Any], limit: int, where: str = "") -> int:
+    """A prompt's response budget: its row's `max_new_tokens` (a positive int) capped by
+    rollout.max_response_len (`limit`), else the limit."""
+    cap = metadata.get("max_new_tokens")
+    if cap is None:
+        return limit
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise DatasetError(f"{where or 'prompt'}: max_new_tokens = {cap!r} must be an int >= 1 "
+                           f"(the row's response budget)")
+    return min(cap, limit)
 
 
 def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[Prompt]:
@@ -223,7 +206,10 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     from training (`held_out_split`), so a held-out reward is never measured on training
     prompts."""
     if task_cfg.name == "successor":
-        return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split)
+        from rl_async.algo.successor import successor_prompts
+
+        return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split,
+                                 task_cfg.count_tokens)
     if task_cfg.name == "reasoning_gym":
         return reasoning_gym_prompts(task_cfg.dataset, task_cfg.dataset_config,
                                      task_cfg.num_eval_prompts, tokenizer, seed, split)
@@ -375,7 +361,7 @@ def answer_match_reward(sample: Sample) -> float:
 
 
 def default_reward_path(task_cfg) -> str:
-    return {"successor": "rl_async.algo.tasks:successor_reward",
+    return {"successor": "rl_async.algo.successor:successor_reward",
             "math": "rl_async.algo.math_reward:math_reward",
             "reasoning_gym": "rl_async.algo.reasoning_gym_task:reasoning_gym_reward"}.get(
                 task_cfg.name, "rl_async.algo.tasks:answer_match_reward")
@@ -389,3 +375,13 @@ def model_vocab_size(model_cfg) -> int:
         hf = dict(model_cfg.hf_config)
         return int(AutoConfig.for_model(hf.pop("model_type"), **hf).vocab_size)
     return int(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True).vocab_size)
+
+
+def __getattr__(name: str):
+    """The successor task's old home: run files name `rl_async.algo.tasks:successor_reward`.
+    Resolved lazily because rl_async.algo.successor imports this module."""
+    if name in ("successor_prompts", "successor_reward"):
+        from rl_async.algo import successor
+
+        return getattr(successor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -107,6 +107,13 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
     if cfg.task.name in ("jsonl", "math", "env") and not cfg.task.path:
         errors.append(f"task.name = {cfg.task.name!r} needs task.path (a JSONL file of "
                       f"{'rows for the environment' if cfg.task.name == 'env' else 'prompts'})")
+    count = cfg.task.count_tokens if cfg.task.name == "successor" else 0
+    if count == 1:
+        errors.append("task.count_tokens = 1: 0 (the plain one-token answer) or >= 2 (lengths "
+                      "2..count_tokens by prompt)")
+    if count > cfg.rollout.max_response_len:
+        errors.append(f"task.count_tokens = {count} needs rollout.max_response_len >= {count} "
+                      f"(the longest count); it is {cfg.rollout.max_response_len}")
     errors += environment_errors(cfg)
     errors += reasoning_gym_errors(cfg)
     if cfg.task.name == "math" and (cfg.reward.function is None or "math_reward" in
@@ -244,6 +251,7 @@ _ONLY_FOR = (
     ("task.dataset_config", lambda c: c.task.name == "reasoning_gym", "a reasoning-gym task's"),
     ("task.modulus", lambda c: c.task.name == "successor", "the built-in task's"),
     ("task.prompt_digits", lambda c: c.task.name == "successor", "the built-in task's"),
+    ("task.count_tokens", lambda c: c.task.name == "successor", "the built-in task's"),
 )
 
 

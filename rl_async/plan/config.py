@@ -278,6 +278,10 @@ class TaskSection(Section):
     # Built-in task: digits 0..modulus-1 in the prompt.
     modulus: int = Field(10, ge=2, le=100)
     prompt_digits: int = Field(3, ge=1, le=6)
+    # Built-in task, long-tailed: the response keeps counting from the answer for n tokens,
+    # n in [2, count_tokens] by prompt (its exact budget), rewarded by the share counted right
+    # (rl_async.algo.successor). 0: the plain task, one answer token.
+    count_tokens: int = Field(0, ge=0, le=255)
 
 
 class RewardSection(Section):

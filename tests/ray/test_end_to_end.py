@@ -193,3 +193,29 @@ def test_set_threads_reaches_the_threads_that_compute(ray_cluster):
             await fleet.shutdown()
 
     asyncio.run(main())
+
+
+def test_counting_task_responses_run_to_each_prompts_own_budget(ray_cluster, tmp_path):
+    """task.count_tokens on real actors: each request carries its prompt's budget (the
+    engine stops there, not at rollout.max_response_len), the reward actor counts, and the
+    ledger closes; what was trained is read back from the recorded collections."""
+    from rl_async.algo.successor import successor_reward
+    from rl_async.state.rollouts import read_collection
+
+    cfg, report = small("cluster_configs/local.toml", "task.count_tokens=12",
+                        "rollout.max_response_len=16", "run.record_rollouts=true",
+                        f"run.output_dir={tmp_path}",
+                        name="t-count")
+    assert report.ok, report.errors
+    code, summary = run(cfg, report, tmp_path)
+    assert code == 0, summary
+    assert_ledger_closed(summary)
+    samples = [s for step in (1, 2, 3, 4)
+               for g in read_collection(summary["run_dir"], step)[1] for s in g.samples]
+    assert len(samples) == 4 * 16
+    for s in samples:  # its own budget, or shorter only when it sampled the stop token
+        n = s.metadata["count"]
+        assert len(s.response_ids) == n or (len(s.response_ids) < n and s.finish_reason == "stop")
+        assert s.reward == successor_reward(s)
+    assert len({len(s.response_ids) for s in samples}) > 3  # lengths vary by prompt
+    assert summary["calibration"]["response_length"]["max"] <= 12
