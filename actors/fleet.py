@@ -23,6 +23,7 @@ from actors.producer import ProducerActor
 from actors.prompt_source import PromptSourceActor
 from actors.rewards import RewardActor
 from actors.trainer import TrainerWorker
+from rl_async.algo.scoring import reward_placement
 from rl_async.state import checkpoints as ckpts
 from rl_async.state import rollouts
 from rl_async.state.collective import OWN_PROCESS_NCCL_ENV
@@ -151,7 +152,9 @@ class RayFleet(FleetPublication):
                                   max_concurrency=1)
         if cfg.judge.enabled:  # the reward actor grades through it, so it comes first
             await self._start_judge()
-        self.reward = self._named(RewardActor, "reward", cfg, num_cpus=0)
+        # Built-in verifiers score inside the producer (rl_async.algo.scoring): no actor.
+        self.reward = (self._named(RewardActor, "reward", cfg, num_cpus=0)
+                       if reward_placement(cfg) == "actor" else None)
         self.buffer = self._named(BufferActor, "completed-buffer", cfg, plan, self.source,
                                   num_cpus=0)
         self.producer = self._named(ProducerActor, "producer", cfg, plan, self.source,
@@ -323,10 +326,10 @@ class RayFleet(FleetPublication):
     async def metrics(self) -> dict[str, float]:
         parts = await self.bounded(asyncio.gather(
             self.buffer.metrics.remote(), self.producer.metrics.remote(),
-            self.reward.metrics.remote(), self.source.counts.remote(),
-            self.source.busy.remote()), "metrics")
-        out = {**parts[0], **parts[1], **parts[2], **parts[4]}
-        out.update({f"ledger/{k}": float(v) for k, v in parts[3].items()})
+            self.source.counts.remote(), self.source.busy.remote(),
+            *([self.reward.metrics.remote()] if self.reward else [])), "metrics")
+        out = {**parts[0], **parts[1], **parts[3], **(parts[4] if self.reward else {})}
+        out.update({f"ledger/{k}": float(v) for k, v in parts[2].items()})
         # Each engine's own view (loop lag, busy, running/waiting; SGLang's polled from
         # /v1/loads); an engine that fails to answer is the supervisor's business, not a
         # reason to stop logging.
@@ -368,7 +371,7 @@ class RayFleet(FleetPublication):
         """What every stage holds right now, for a stall error (each part best effort)."""
         parts = {"producer": self.producer.metrics.remote(),
                  "buffer_groups": self.buffer.size.remote(),
-                 "reward": self.reward.metrics.remote(),
+                 **({"reward": self.reward.metrics.remote()} if self.reward else {}),
                  **{f"engine-{i}": self.engines[i].load.remote() for i in self.live_engines()}}
         out: dict = {"engines_down": sorted(self.down), "engines_waiting_for_weights":
                      sorted(self.pending_up)}

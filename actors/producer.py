@@ -23,8 +23,8 @@ from rl_async.algo.evaluation import eval_metrics
 from rl_async.loop.faults import FailureBudget, RunStopped, TransientEngineError
 from rl_async.loop.monitor import LoopMonitor
 from rl_async.loop.producer import Producer, ProducerLimits, zero_variance
-from rl_async.algo.rewards import backoff_s
-from rl_async.algo.rewards import RewardError
+from rl_async.algo.rewards import RewardError, backoff_s
+from rl_async.algo.scoring import SampleScorer
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.seeding import eval_seed
 from rl_async.loop.trajectory import turn_request
@@ -56,6 +56,8 @@ class ProducerActor:
         self.ray_calls = 0  # actor calls this actor made (orchestration cost per sample)
         # One batched, streamed call per engine per event-loop tick, one reward call per tick.
         self.gen_batchers = [MicroBatcher(self._engine_stream(i)) for i in range(len(engines))]
+        # reward None: the reward runs here (reward.placement, rl_async.algo.scoring).
+        self.scorer = SampleScorer.from_config(cfg) if reward is None else None
         self.score_batcher = MicroBatcher(self._score_batch)
         self.put_batcher = MicroBatcher(self._put_batch)  # the groups finished in one tick
         self.sampling = sampling_params(cfg)
@@ -65,7 +67,8 @@ class ProducerActor:
             ProducerLimits(plan.submission_granularity, plan.producer_samples, plan.group_size,
                            plan.http_slots),
             next_group=self._call(source, "prompt source", "next_group"),
-            generate=self._generate, score=self.score_batcher.submit,
+            generate=self._generate,
+            score=self.score_batcher.submit if self.scorer is None else self.scorer.score,
             put=self.put_batcher.submit,
             on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
                 ref_of(g), "aborted by publication or shutdown"),
@@ -263,6 +266,8 @@ class ProducerActor:
                 out = await self._generate(sample, tag, None, params)
             sample.response_ids = list(out.output_ids)
             try:
+                if self.scorer is not None:
+                    return await self.scorer.score(sample)
                 return await self._call(self.reward, "reward", "score")(sample)
             except RewardError as exc:  # as for environments: scored 0, counted; the run's
                 # failure budget (rollouts), not an evaluation, decides whether it stops
@@ -323,6 +328,8 @@ class ProducerActor:
         out.update(self.monitor.metrics("producer"))
         out["producer/ray_calls"] = float(self.ray_calls)
         out.update(self.score_batcher.metrics("producer/reward"))
+        if self.scorer is not None:  # reward/* as the reward actor reports them
+            out.update(self.scorer.metrics())
         out.update(self.put_batcher.metrics("producer/put"))
         for b in self.gen_batchers:
             for k, v in b.metrics("producer/generate").items():

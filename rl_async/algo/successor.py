@@ -19,6 +19,7 @@ before the first mistake, so every position has its own clean signal. C = 16 giv
 
 from __future__ import annotations
 
+from rl_async.algo.rewards import inline_safe
 from rl_async.algo.tasks import BOS, DIGIT0, DatasetError, Prompt
 from rl_async.base.types import Sample
 
@@ -54,6 +55,7 @@ def successor_prompts(modulus: int, vocab_size: int, digits: int = 3, split: str
     return prompts
 
 
+@inline_safe
 def successor_reward(sample: Sample) -> float:
     """Plain: 1.0 when the response starts with the answer token(s), else 0.0. Counting
     (metadata `count` = n): the share of the first n tokens that count on from the answer

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rl_async.algo.rewards import inline_safe
 from rl_async.base.types import Group, Sample
 
 PAD, BOS, EOS, SEP = 0, 1, 2, 3
@@ -79,6 +80,7 @@ class PromptSource:
         return Group(group_id=f"c{cursor}:{p.prompt_id}", samples=samples)
 
 
+@inline_safe
 def exact_match_reward(sample: Sample) -> float:
     """JSONL tasks: 1.0 when the response (up to EOS) equals the row's `answer_ids`."""
     answer = sample.metadata.get("answer_ids")
@@ -350,6 +352,7 @@ def final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+@inline_safe
 def answer_match_reward(sample: Sample) -> float:
     """Text tasks: 1.0 when the final answer of the decoded response equals the row's
     `answer` (the reward actor fills `metadata["response_text"]` from the tokenizer)."""

@@ -124,6 +124,9 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         errors.append("publication.verify_checksum = true needs engine.backend = 'embedded': "
                       "SGLang 0.5.23's HTTP API returns no checksum of the served weights; "
                       "set publication.verify_checksum = false")
+    if cfg.judge.enabled and cfg.reward.placement == "producer":
+        errors.append("reward.placement = 'producer' with judge.enabled: the reward actor calls "
+                      "the judge deployment; set reward.placement = 'auto' or 'actor'")
     if cfg.judge.enabled and cfg.judge.min_replicas > cfg.judge.max_replicas:
         errors.append(f"judge.min_replicas = {cfg.judge.min_replicas} > judge.max_replicas = "
                       f"{cfg.judge.max_replicas}")

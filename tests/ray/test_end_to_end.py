@@ -127,6 +127,7 @@ def test_publication_makes_engine_weights_equal_trainer_weights(ray_cluster):
 @pytest.mark.parametrize("victim,named", [("engine-0", "engine"), ("reward", "reward"),
                                            ("completed-buffer", "buffer")])
 def test_killing_an_actor_mid_run_ends_in_a_clear_error(ray_cluster, victim, named):
+    # the built-in verifier scores inside the producer; placement=actor runs the reward actor
     import ray
 
     from actors.controller import ControllerActor
@@ -135,7 +136,7 @@ def test_killing_an_actor_mid_run_ends_in_a_clear_error(ray_cluster, victim, nam
     # Engines are restarted under fault tolerance (tests/ray/test_faults.py); without it a
     # dead engine ends the run like any other actor.
     cfg, report = small("cluster_configs/local.toml", "run.max_steps=1000",
-                        "engine.fault_tolerance=false", name=name)
+                        "engine.fault_tolerance=false", "reward.placement=actor", name=name)
     controller = ControllerActor.remote(cfg, report.plan, [])
     ref = controller.run.remote()
     deadline = time.monotonic() + 120
@@ -197,7 +198,7 @@ def test_set_threads_reaches_the_threads_that_compute(ray_cluster):
 
 def test_counting_task_responses_run_to_each_prompts_own_budget(ray_cluster, tmp_path):
     """task.count_tokens on real actors: each request carries its prompt's budget (the
-    engine stops there, not at rollout.max_response_len), the reward actor counts, and the
+    engine stops there, not at rollout.max_response_len), the verifier counts, and the
     ledger closes; what was trained is read back from the recorded collections."""
     from rl_async.algo.successor import successor_reward
     from rl_async.state.rollouts import read_collection

@@ -32,4 +32,8 @@ def test_offline_run_files_hold_every_metric_name(ray_cluster, tmp_path):
     assert not spec7 - history, sorted(spec7 - history)[:10]
     assert not set(SPEC8) - history
     assert {"eval/reward", "ledger/unaccounted"} <= history
+    # the built-in verifier scored inside the producer (reward.placement = "auto"), under
+    # the reward actor's metric names; no reward actor ran (it reports its event loop)
+    assert {"reward/calls", "reward/retries", "reward/failures"} <= history
+    assert "reward/busy_fraction" not in history and "producer/busy_fraction" in history
     assert {"capacity_plan", "async", "rollout", "train"} <= config

@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from rl_async.algo.rewards import RewardError, RewardRunner, load_callable
+from rl_async.algo.rewards import RewardError, RewardRunner, inline_safe, load_callable
+from rl_async.algo.scoring import SampleScorer, reward_placement
 from rl_async.base.types import Sample
 
 
@@ -59,3 +60,63 @@ def test_timeout_and_non_numbers_are_failures():
     for bad in (None, "1", float("nan"), True):
         with pytest.raises(RewardError, match="must be a finite number"):
             run(RewardRunner(lambda s, b=bad: b, "bad", 5, 0, 4))
+
+
+def test_inline_safe_functions_run_on_the_loop_thread_and_keep_retries():
+    import threading
+
+    threads = []
+
+    def plain(s):
+        threads.append(threading.get_ident())
+        return 1.0
+
+    marked = inline_safe(lambda s: threads.append(threading.get_ident()) or 1.0)
+    assert run(RewardRunner(plain, "plain", 5, 0, 4)) == 1.0
+    assert run(RewardRunner(marked, "marked", 5, 0, 4)) == 1.0
+    # the plain function ran in a worker thread, the marked one on the caller's thread
+    assert threads[0] != threading.get_ident() and threads[1] == threading.get_ident()
+    calls = []
+    flaky = inline_safe(lambda s: calls.append(1) or (1.0 if len(calls) > 1 else None))
+    r = RewardRunner(flaky, "flaky", 5, 1, 4)
+    assert run(r) == 1.0 and r.retries == 1
+    with pytest.raises(RewardError, match="must be a finite number"):
+        run(RewardRunner(inline_safe(lambda s: None), "none", 5, 0, 4))
+
+
+def test_reward_placement_puts_only_marked_verifiers_in_the_producer():
+    from rl_async.plan.checks import validate
+    from rl_async.plan.load import load_config
+
+    def placement(*overrides):
+        return reward_placement(load_config("cluster_configs/local.toml", list(overrides)))
+
+    assert placement() == "producer"  # the built-in successor verifier
+    assert placement("reward.function=rl_async.algo.tasks:exact_match_reward") == "producer"
+    # user code (unmarked) and judges stay in the reward actor; an explicit choice wins
+    assert placement("reward.function=rl_async.algo.math_reward:math_reward") == "actor"
+    assert placement("judge.enabled=true") == "actor"
+    assert placement("reward.placement=actor") == "actor"
+    assert placement("reward.function=rl_async.algo.math_reward:math_reward",
+                     "reward.placement=producer") == "producer"
+    cfg = load_config("cluster_configs/local.toml", ["judge.enabled=true",
+                                                     "reward.placement=producer"])
+    assert any("reward.placement = 'producer' with judge.enabled" in e
+               for e in validate(cfg).errors)
+
+
+def test_scorer_decodes_text_for_the_reward_and_returns_errors_in_place():
+    class Tok:
+        def decode(self, ids, skip_special_tokens):
+            return " ".join(map(str, ids))
+
+    def reward(s):
+        if not s.response_ids:
+            raise ValueError("empty")
+        return 1.0 if s.metadata["response_text"] == "4 2" else 0.0
+
+    scorer = SampleScorer(RewardRunner(reward, "r", 5, 0, 4), Tok())
+    good, empty = Sample("a", response_ids=[4, 2]), Sample("b", response_ids=[])
+    out = asyncio.run(scorer.score_batch([good, empty]))
+    assert out[0] == 1.0 and isinstance(out[1], RewardError) and "prompt 'b'" in str(out[1])
+    assert scorer.metrics()["reward/failures"] == 1
