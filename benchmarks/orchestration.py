@@ -1,20 +1,21 @@
 """Orchestration throughput: samples per second through the real actors with instant compute.
 
-The real producer, engine, reward, completed-buffer, prompt-source, trainer and controller
-actors run cluster_configs/local.toml's loop with `engine.backend = train.backend =
-"synthetic"` and `synthetic.time_scale = 0`: engines answer at once, the trainer trains in no
-time and publication moves no bytes. What is left is the cost of orchestration: Ray actor
-calls, (de)serialisation and the actors' Python. In the same run, on the same cluster, a
-caller actor measures the raw rate of async actor calls carrying one sample-sized argument
-(the ceiling any design built on per-sample actor calls can reach).
+The real producer, engine, completed-buffer, prompt-source, trainer and controller actors
+(the built-in verifier scores inside the producer: reward.placement = "auto") run
+cluster_configs/local.toml's loop with `engine.backend = train.backend = "synthetic"` and
+`synthetic.time_scale = 0`: engines answer at once, the trainer trains in no time and
+publication moves no bytes. What is left is the cost of orchestration: Ray actor calls,
+(de)serialisation and the actors' Python. In the same run, on the same cluster, a caller
+actor measures the raw rate of async actor calls carrying one sample-sized argument (the
+ceiling any design built on per-sample actor calls can reach).
 
     python benchmarks/orchestration.py --json
 prints one JSON line: samples_per_s (steady state: first collection row -> last), the raw
 call rate, ray_calls_per_sample (calls made on the per-sample path: producer -> engines,
-reward, buffer, prompt source; buffer -> prompt source; the controller's few calls per step
-are not counted), controller_overhead_fraction (perf/orchestration_fraction: the controller
-loop's own share of a step), the trainer wait fraction, and each actor's busy fraction and
-event-loop lag (which actor is the bottleneck).
+reward actor (if any), buffer, prompt source; buffer -> prompt source; the controller's few
+calls per step are not counted), controller_overhead_fraction (perf/orchestration_fraction:
+the controller loop's own share of a step), the trainer wait fraction, and each actor's busy
+fraction and event-loop lag (which actor is the bottleneck).
 
 `--fleet64` instead holds 64 synthetic engines x 256 running requests with realistic decode
 timings (time_scale 1, an instant trainer) and reports the delivered samples/s beside what

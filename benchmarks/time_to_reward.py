@@ -18,7 +18,8 @@ started, held-out reward], evals and drains included):
 --task count (default): the long-tailed counting variant of the built-in task
 (`task.count_tokens = 16`: each prompt's response is 2..16 tokens, 8x the shortest, by
 prompt; rl_async.algo.successor), 32 prompts x 16 samples per update, 128 engine rows,
-lr 1.5e-4 (sync needs 30-50 s to the target here; the lr barely moves it). --task successor:
+lr 7.5e-5: sync needs ~120 updates, over 60 s, to the target (at 1.5e-4, ~70 updates and
+30-50 s: one eval interval was 1/14 of it). --task successor:
 the demo files as they are (2-token answers; the target in ~4 s, one or two eval intervals).
 
     python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 2,4] [--out DIR]
@@ -46,7 +47,7 @@ from rl_async.observe.compare import time_to
 
 # Per task: overrides for every mode, and the default eval interval (updates).
 TASKS = {
-    "count": (["task.count_tokens=16", "rollout.max_response_len=16", "train.lr=0.00015",
+    "count": (["task.count_tokens=16", "rollout.max_response_len=16", "train.lr=0.000075",
                "rollout.rollout_batch_size=32", "train.global_batch_size=512",
                "train.micro_batch_size=256", "sglang.max_running_requests=128",
                "async.async_max_concurrent_samples=256", "run.max_steps=200"], 4),
