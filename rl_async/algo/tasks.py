@@ -355,7 +355,8 @@ def final_answer(text: str) -> str | None:
 @inline_safe
 def answer_match_reward(sample: Sample) -> float:
     """Text tasks: 1.0 when the final answer of the decoded response equals the row's
-    `answer` (the reward actor fills `metadata["response_text"]` from the tokenizer)."""
+    `answer` (the scorer fills `metadata["response_text"]` from the tokenizer, where the reward
+    runs: rl_async.algo.scoring)."""
     text = sample.metadata.get("response_text")
     if text is None or "answer" not in sample.metadata:
         raise KeyError(f"prompt {sample.prompt_id!r}: answer_match_reward needs metadata "
