@@ -17,6 +17,7 @@ from torch import Tensor
 from rl_async.base.types import Sample
 from rl_async.train import prefix
 from rl_async.train.logits import token_logprobs as chunked_logprobs
+from rl_async.train.ragged import flat, ragged_index
 
 
 @dataclass
@@ -116,26 +117,32 @@ def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0
     anchor = torch.zeros((B, T), dtype=torch.float32)
     adv = torch.zeros((B, T), dtype=torch.float32)
     versions = torch.full((B, T), -1, dtype=torch.long)
-    spans = []
     have_anchor = all(it.anchor_logprobs is not None for it in items)
-    for i, it in enumerate(items):
-        seq = it.prompt_ids + it.response_ids
-        ids[i, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attn[i, :len(seq)] = 1
-        b, e = len(it.prompt_ids) - 1 - start, len(it.prompt_ids) - 1 - start + it.response_len
-        spans.append((b, e))
-        if e == b:
-            continue
-        if it.loss_mask is None:
-            mask[i, b:e] = True
-        else:  # environment tokens are context, not trained (SPEC §12)
-            mask[i, b:e] = torch.tensor(it.loss_mask, dtype=torch.bool)
-        behavior[i, b:e] = torch.tensor(it.behavior_logprobs, dtype=torch.float32)
-        adv[i, b:e] = it.advantage
-        if it.token_versions:
-            versions[i, b:e] = torch.tensor(it.token_versions, dtype=torch.long)
-        if have_anchor:
-            anchor[i, b:e] = torch.tensor(it.anchor_logprobs, dtype=torch.float32)
+    rows, cols = ragged_index([0] * B, lengths)
+    ids[rows, cols] = torch.tensor([t for it in items for part in (it.prompt_ids, it.response_ids)
+                                    for t in part], dtype=torch.long)
+    attn[rows, cols] = 1
+    n = [it.response_len for it in items]
+    begins = [len(it.prompt_ids) - 1 - start for it in items]
+    spans = [(b, b + k) for b, k in zip(begins, n)]
+    rows, cols = ragged_index(begins, n)
+    if all(it.loss_mask is None for it in items):
+        mask[rows, cols] = True
+    else:  # environment tokens are context, not trained (SPEC §12)
+        mask[rows, cols] = torch.tensor(flat([it.loss_mask if it.loss_mask is not None
+                                              else [1] * k for it, k in zip(items, n)],
+                                             n, "loss_mask"), dtype=torch.bool)
+    behavior[rows, cols] = torch.tensor(flat([it.behavior_logprobs for it in items], n,
+                                             "behavior_logprobs"), dtype=torch.float32)
+    adv[rows, cols] = torch.repeat_interleave(
+        torch.tensor([float(it.advantage) for it in items], dtype=torch.float32),
+        torch.tensor(n, dtype=torch.long))
+    versions[rows, cols] = torch.tensor(flat([it.token_versions or [-1] * k
+                                              for it, k in zip(items, n)], n,
+                                             "token_versions"), dtype=torch.long)
+    if have_anchor:
+        anchor[rows, cols] = torch.tensor(flat([it.anchor_logprobs for it in items], n,
+                                               "anchor_logprobs"), dtype=torch.float32)
     dev = torch.device(device)
     return PackedBatch(
         input_ids_BL=ids.to(dev), attention_mask_BL=attn.to(dev), start=start,

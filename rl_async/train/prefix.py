@@ -28,6 +28,7 @@ from torch import Tensor
 
 from rl_async.state.models import cache_kwarg
 from rl_async.train.logits import token_logprobs as chunked_logprobs
+from rl_async.train.ragged import ragged_index
 
 if TYPE_CHECKING:
     from rl_async.train.batching import TrainItem
@@ -68,21 +69,24 @@ def plan(items: Sequence[TrainItem], start: int, T: int, device: torch.device,
         prefix_ids[u, :len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
         prefix_mask[u, :len(p) - 1] = 1
     rows = torch.tensor([index[p] for p in prompts], dtype=torch.long)
+    n = [it.response_len for it in items]
+    first = torch.tensor([len(it.prompt_ids) - 1 for it in items], dtype=torch.long)
+    # Fed: [prompt[-1]] + response[:-1] (just [prompt[-1]] for an empty response).
+    fed_rows, fed_cols = ragged_index([0] * B, [max(k, 1) for k in n])
     ids = torch.full((B, R), pad_id, dtype=torch.long)
+    ids[fed_rows, fed_cols] = torch.tensor(
+        [t for it in items for t in [it.prompt_ids[-1], *it.response_ids[:-1]]],
+        dtype=torch.long)
     mask = torch.cat([prefix_mask.index_select(0, rows),
                       torch.zeros((B, R), dtype=torch.long)], dim=1)
-    positions = torch.zeros((B, R), dtype=torch.long)
+    mask[fed_rows, P + fed_cols] = 1
+    positions = first[:, None] + torch.arange(R)[None, :]
+    resp_rows, resp_cols = ragged_index([0] * B, n)
     targets = torch.full((B, R), pad_id, dtype=torch.long)
+    targets[resp_rows, resp_cols] = torch.tensor(
+        [t for it in items for t in it.response_ids], dtype=torch.long)
     columns = torch.full((B, R), T, dtype=torch.long)
-    for i, it in enumerate(items):
-        n, first = it.response_len, len(it.prompt_ids) - 1
-        fed = [it.prompt_ids[-1]] + it.response_ids[:-1] if n else [it.prompt_ids[-1]]
-        ids[i, :len(fed)] = torch.tensor(fed, dtype=torch.long)
-        mask[i, P:P + len(fed)] = 1
-        positions[i] = torch.arange(first, first + R)
-        if n:
-            targets[i, :n] = torch.tensor(it.response_ids, dtype=torch.long)
-            columns[i, :n] = torch.arange(first - start, first - start + n)
+    columns[resp_rows, resp_cols] = (first - start)[resp_rows] + resp_cols
     dev = torch.device(device)
     return SharedPrompts(prefix_ids.to(dev), prefix_mask.to(dev), rows.to(dev), ids.to(dev),
                          mask.to(dev), positions.to(dev), targets.to(dev), columns.to(dev))
