@@ -109,6 +109,17 @@ def report(runs: dict[str, list[dict]], fraction: float) -> dict:
     return out
 
 
+def async_mode(spec: str) -> tuple[str, list[str]]:
+    """'4' -> lag 4, publishing after every update; '4:2' -> lag 4, publishing once the
+    trainer is 2 updates past the engines (publication.every_updates)."""
+    lag, _, every = spec.partition(":")
+    overrides = [f"async.max_weight_staleness={int(lag)}"]
+    if not every:
+        return f"async_lag{int(lag)}", overrides
+    return (f"async_lag{int(lag)}_pub{int(every)}",
+            overrides + [f"publication.every_updates={int(every)}"])
+
+
 def _finite(x: float) -> float | None:
     return round(x, 2) if math.isfinite(x) else None
 
@@ -118,7 +129,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--seeds", type=int, default=4)
     parser.add_argument("--task", choices=sorted(TASKS), default="count")
-    parser.add_argument("--lags", default="2,4")
+    parser.add_argument("--lags", default="2,4", help="async modes: LAG or LAG:EVERY "
+                        "(publication.every_updates), comma-separated")
     parser.add_argument("--steps", type=int, default=0, help="run.max_steps (0: the files')")
     parser.add_argument("--every", type=int, default=0, help="eval.every_steps, all modes "
                         "(time to target is resolved to one eval interval; 0: the task's)")
@@ -129,17 +141,17 @@ def main() -> None:
     args.every = args.every or TASKS[args.task][1]
     args.out = args.out or tempfile.mkdtemp(prefix="rl-async-ttr-")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    lags = [int(x) for x in args.lags.split(",") if x]
+    modes = dict(async_mode(x) for x in args.lags.split(",") if x)
     init_ray(num_cpus=2)
     started = time.monotonic()
-    runs: dict[str, list[dict]] = {"sync": [], **{f"async_lag{lag}": [] for lag in lags}}
+    runs: dict[str, list[dict]] = {"sync": [], **{mode: [] for mode in modes}}
     for seed in range(args.seeds):
         runs["sync"].append(run_one("cluster_configs/dev.toml", f"sync-s{seed}", seed, [],
                                     args))
-        for lag in lags:
-            runs[f"async_lag{lag}"].append(run_one(
-                "cluster_configs/local.toml", f"async-lag{lag}-s{seed}", seed,
-                [f"async.max_weight_staleness={lag}"], args))
+        for mode, overrides in modes.items():
+            runs[mode].append(run_one("cluster_configs/local.toml",
+                                      f"{mode.replace('_', '-')}-s{seed}", seed, overrides,
+                                      args))
     result = report(runs, args.target_fraction)
     result.update(task=args.task, seeds=args.seeds, summaries_dir=args.out,
                   benchmark_seconds=round(time.monotonic() - started, 1))

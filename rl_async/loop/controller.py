@@ -16,14 +16,15 @@ task, and a dead producer, engine, reward or buffer actor ends the run with its 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from rl_async.base import clock
 from rl_async.observe.calibration import CalibrationStats
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
+from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
+from rl_async.loop.progress import Progress, orchestration_metrics
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
@@ -57,60 +58,6 @@ class Fleet(PublicationOps, Protocol):
     async def rollout(self) -> dict: ...
 
 
-@dataclass
-class Progress:
-    step: int = 0
-    version: int = 0
-    reward: float = 0.0
-    staleness: float = 0.0
-    trainer_wait_seconds: float = 0.0
-    discard_fraction: float = 0.0
-    initial_eval: float | None = None
-    final_eval: float | None = None
-    # [step, wall seconds since the loop started, eval/reward] for every evaluation, and the
-    # first and last evaluation's full metrics (pass@k, mean@k with eval.n_samples).
-    eval_curve: list = field(default_factory=list)
-    eval_first: dict = field(default_factory=dict)
-    eval_last: dict = field(default_factory=dict)
-    useful_tokens: int = 0
-    max_staleness: int = 0
-    staleness_sum: int = 0
-    staleness_groups: int = 0
-    nonfinite_updates: int = 0  # skipped by the trainer (rl_async/train/guard.py)
-    phase: str = "starting"
-    bound: str = ""  # which side bounds the loop, once measured (rl_async/loop/threads.py)
-
-
-def publication_overlaps_training(cfg: RunConfig, plan: CapacityPlan) -> bool:
-    """Whether a publication's drain and broadcast may run while the next collection trains.
-
-    Needs a lag of at least 2: engines then trail the trainer by one publication, so the
-    tokens they make while the next collection trains are already one version old when it
-    is published. At lag 1 that leaves no room: every group started before the transfer
-    lands is two versions old when dequeued, so overlapping discarded about a third of all
-    groups (measured on the local demo) to save the publication's time; lag 1 publishes
-    between steps instead, and its groups are one version old at most.
-    Never with trainers on GPU: trainer rank 0 would broadcast on the publication NCCL
-    communicator from one actor thread while DDP/TP/PP collectives run from another on the
-    same device and default stream; NCCL gives no ordering between two communicators' kernels
-    there, and the two can deadlock each other. The fix would be a dedicated CUDA stream per
-    communicator with explicit event ordering; until that exists and is tested on a GPU, GPU
-    trainers publish between steps. On CPU (gloo), each group has its own connections and
-    the overlap is safe.
-    """
-    return cfg.fully_async and plan.max_weight_staleness >= 2 and not cfg.cluster.trainer_gpus
-
-
-def generates_per_collection(cfg: RunConfig, plan: CapacityPlan) -> bool:
-    """Whether the producer opens exactly one collection's groups per policy version.
-
-    Synchronous runs, and async runs at lag 0: a group sampled ahead at lag 0 could only be
-    discarded (its version is gone by the time it is dequeued) and re-attempted with fresh
-    randomness, so the producer opens only what the current version will train. Lag 0 then
-    equals sync by construction (same prompts, same versions, same seeds, same tokens)."""
-    return not cfg.fully_async or plan.max_weight_staleness == 0
-
-
 def canonical_order(groups: list[Group]) -> list[Group]:
     """A collection in (prompt cursor, attempt) order, not completion order: micro-batches and
     data-parallel shards (groups[rank::world]) are then functions of the data alone."""
@@ -137,6 +84,7 @@ class Controller:
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
         self._overlap_publication = publication_overlaps_training(cfg, plan)
+        self._published = start_version  # the version the last publication started (engines')
         self.checkpoint_dir: str | None = None
         # a resumed run already holds the checkpoint of its start step
         self._checkpoint_step: int | None = start_step if start_step else None
@@ -163,7 +111,7 @@ class Controller:
             p.phase = "failed"
             raise
         p.phase = "draining"
-        self.log(await self._finish_publication(), p.step)  # final eval needs final weights
+        await self._land_current_version()  # the final evaluation needs the final weights
         await self._shutdown_drain()
         p.phase = "eval"
         p.final_eval = await self._evaluate()
@@ -192,7 +140,13 @@ class Controller:
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
         fleet_metrics = asyncio.ensure_future(self._gather_metrics(pub_start))
-        pub_metrics = await self._publish(self.version)
+        # publication.every_updates: publish once the trainer is that many updates past the
+        # engines. Each publication drains the engines (no new request until in-flight ones
+        # finish); validate keeps the spacing within the lag (plan/schedule.py).
+        due = self.version - self._published >= self.cfg.publication.every_updates
+        pub_metrics = {"publish/skipped": float(not due)}
+        if due:
+            pub_metrics.update(await self._publish(self.version))
         pub_s = clock.now() - pub_start
         gathered, gather_s = await fleet_metrics
         updates = self.plan.optimizer_steps_per_collection
@@ -236,6 +190,7 @@ class Controller:
         then lag the trainer by at most one publication, which the staleness filter accounts
         for."""
         previous = await self._finish_publication()
+        self._published = version
         snapshotted = asyncio.Event()
         task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
         waiter = asyncio.ensure_future(snapshotted.wait())
@@ -248,13 +203,24 @@ class Controller:
             return await self._finish_publication()
         return previous
 
+    async def _land_current_version(self) -> None:
+        """Publish the trainer's version if a cadence skipped it (publication.every_updates),
+        and wait until the engines hold it; logs each publication's metrics."""
+        landed = [await self._publish(self.version)] if self._published != self.version else []
+        landed.append(await self._finish_publication())
+        for metrics in landed:  # the calibration counts these publications too
+            self.calibration.observe_metrics(metrics)
+            self.log(metrics, self.progress.step)
+
     async def _finish_publication(self) -> dict[str, float]:
         """Wait for the publication in flight, if any; its metrics (empty when none)."""
         task, self._pub_task = self._pub_task, None
         if task is None:
             return {}
         result = await task
-        await self.fleet.buffer_set_version(result.version)
+        # The buffer judges ages against the trainer's latest version, which a skipped
+        # publication (publication.every_updates) leaves ahead of the one that just landed.
+        await self.fleet.buffer_set_version(self.version)
         return result.metrics()
 
     def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
@@ -321,7 +287,7 @@ class Controller:
         a lifecycle drain: open no new group, let owned groups land (in reserved buffer
         room), evaluate, resume. Without it, generation goes on beside the evaluation: no
         publication can start before it ends, so the engines hold the evaluated weights."""
-        self.log(await self._finish_publication(), self.progress.step)
+        await self._land_current_version()
         if self.threads is not None:  # the evaluation's generation is not the loop's load
             self.threads.interrupt()
         if not self.cfg.eval.drain and not generates_per_collection(self.cfg, self.plan):
@@ -415,17 +381,3 @@ class Controller:
                 wall, self.plan.engines, self.plan.max_running_requests,
                 self.cfg.rollout.max_response_len, self.plan.producer_samples),
         }
-
-
-def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_s: float,
-                          updates: int) -> dict[str, float]:
-    """The controller loop's own time in one collection: everything but waiting for the
-    collection, training and the awaited part of publication (metrics gathering, logging,
-    bookkeeping), per optimizer update. Trainer wait high with this low: generation is the
-    bottleneck; this high: orchestration is."""
-    own = max(0.0, step_s - wait_s - train_s - publish_s)
-    return {"perf/orchestration_seconds_per_step": own / updates,
-            "perf/publication_wait_seconds_per_step": publish_s / updates,
-            "perf/orchestration_fraction": own / step_s if step_s > 0 else 0.0,
-            "perf/step_seconds": step_s / updates}
-

@@ -15,6 +15,7 @@ from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.memory import MemoryPlan, plan_memory
+from rl_async.plan.schedule import publication_lag_errors
 
 
 @dataclass
@@ -374,7 +375,7 @@ def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
               + trainer_layout_errors(cfg, plan) + publication_errors(cfg) + step_errors(cfg, plan)
-              + architecture_errors(cfg))
+              + publication_lag_errors(cfg, plan) + architecture_errors(cfg))
     memory, note, mem_warnings, mem_errors = (None, "", [], [])
     if not errors:  # a plan of an invalid layout would only add noise
         memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)

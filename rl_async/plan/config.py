@@ -253,6 +253,11 @@ class PublicationSection(Section):
     # Each engine's channel: joining it, and each bucket on it, must finish within this;
     # past it that engine is lost (restarted) and the others' transfers go on.
     channel_timeout_s: PositiveFloat = 60.0
+    # Publish once the trainer is this many optimizer updates past the engines' version
+    # (1: after every collection). Each publication drains the engines (refresh.mode = off),
+    # so an async run whose lag leaves room may publish less often; evaluations and the end
+    # of the run always publish first. validate bounds it by the lag.
+    every_updates: PositiveInt = 1
 
 
 class SyntheticSection(Section):

@@ -286,6 +286,56 @@ def test_mid_run_evaluation_drains_only_when_asked():
     assert drained.count("pause_admission") == 3
 
 
+def test_publication_cadence_skips_versions_but_evaluations_and_the_end_get_current_weights():
+    """publication.every_updates = 2: publish once the trainer is two updates past the
+    engines; a mid-run evaluation (step 3) and the end of the run publish what was skipped,
+    so evaluations always see the trained weights."""
+    def published(**sections):
+        cfg, plan = config(**sections)
+        fleet = FakeFleet(buckets=1)
+        metrics = []
+        controller = Controller(cfg, plan, fleet, lambda m, step: metrics.append(m))
+
+        async def main():
+            try:
+                await controller.run()
+            finally:
+                fleet.producer.cancel()
+        run(main())
+        skipped = [m["publish/skipped"] for m in metrics if "publish/skipped" in m]
+        # every publication reaches the calibration, those before evaluations too
+        assert controller.calibration.pubs == len(fleet.versions)
+        return fleet.versions, skipped
+
+    lag4 = {"async_": {"max_weight_staleness": 4}, "run": {"max_steps": 6}}
+    assert published(**lag4) == ([1, 2, 3, 4, 5, 6], [0.0] * 6)
+    versions, skipped = published(**lag4, publication={"every_updates": 2},
+                                  eval={"every_steps": 3})
+    # 2 (due), 3 (before the step-3 evaluation), 5 (due: 2 past 3), 6 (before the final eval)
+    assert versions == [2, 3, 5, 6]
+    assert skipped == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("sections, error", [
+    ({"async_": {"fully_async": False, "max_weight_staleness": 0}},
+     "needs an async run with a lag of at least 2"),
+    ({"async_": {"max_weight_staleness": 2}}, "trail the trainer by 3 updates"),
+    ({"async_": {"max_weight_staleness": 4}, "publication": {"every_updates": 4}},
+     "trail the trainer by 5 updates"),
+    ({"async_": {"max_weight_staleness": 4}}, None),
+    ({"async_": {"max_weight_staleness": 4}, "publication": {"every_updates": 3}}, None),
+])
+def test_validate_bounds_the_publication_cadence_by_the_lag(sections, error):
+    sections.setdefault("publication", {}).setdefault("every_updates", 2)
+    sections["publication"].update(timeout_s=300.0)
+    cfg, _ = config(**sections)
+    errors = [e for e in validate(cfg).errors if "publication.every_updates" in e]
+    if error is None:
+        assert not errors
+    else:
+        assert len(errors) == 1 and error in errors[0], errors
+
+
 def test_validate_requires_the_deadline_to_cover_the_drain_and_the_channel_deadlines():
     cfg, _ = config(publication={"drain_timeout_s": 100.0, "timeout_s": 150.0})
     errors = validate(cfg).errors

@@ -11,7 +11,8 @@ import torch
 
 from rl_async.plan.capacity import plan_capacity
 from rl_async.plan.load import load_config
-from rl_async.loop.controller import canonical_order, generates_per_collection
+from rl_async.loop.controller import canonical_order
+from rl_async.plan.schedule import generates_per_collection
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from rl_async.state.models import tiny_llama_config

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rl_async.loop.controller import orchestration_metrics
+from rl_async.loop.progress import orchestration_metrics
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
 from rl_async.engine.timing import TrainerTiming, TransferTiming
 from rl_async.train.synthetic import SyntheticTrainer
