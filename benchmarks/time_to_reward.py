@@ -22,7 +22,7 @@ lr 7.5e-5: sync needs ~120 updates, over 60 s, to the target (at 1.5e-4, ~70 upd
 30-50 s: one eval interval was 1/14 of it). --task successor:
 the demo files as they are (2-token answers; the target in ~4 s, one or two eval intervals).
 
-    python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 2,4] [--out DIR]
+    python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 2,4,4:3] [--out DIR]
 prints one JSON line; summaries go to DIR (default a temp dir) for
 `rl-async compare DIR/*.json --plot curves.png`.
 """
