@@ -67,6 +67,16 @@ def run(coro):
     return asyncio.run(coro)
 
 
+def run_controller(controller, fleet) -> None:
+    """Run the controller to its end; the fake producer task is cancelled however it ends."""
+    async def main():
+        try:
+            await controller.run()
+        finally:
+            fleet.producer.cancel()
+    run(main())
+
+
 def test_publication_runs_every_stage_in_order():
     ops = FakeOps(buckets=2)
     pub = Publisher("off", drain_timeout_s=1.0, timeout_s=30.0)
@@ -202,17 +212,10 @@ def test_controller_fails_the_run_when_a_transfer_hangs():
     cfg, plan = config()
     fleet = FakeFleet(buckets=4, hang_bucket=1)
     controller = Controller(cfg, plan, fleet, lambda metrics, step: None, watchdog_s=30.0)
-
-    async def main():
-        try:
-            await controller.run()
-        finally:
-            fleet.producer.cancel()
-
     with pytest.raises((RunFailed, PublicationTimeout),
                        match="publication of version 1 timed out after 0.2 s in stage "
                              "transferring .bucket 2/4."):
-        run(main())
+        run_controller(controller, fleet)
     assert controller.progress.phase == "failed"
 
 
@@ -265,13 +268,7 @@ def test_mid_run_evaluation_drains_only_when_asked():
         cfg, plan = config(eval={"every_steps": 1, "drain": drain})
         fleet = Recording(buckets=1)
         controller = Controller(cfg, plan, fleet, lambda metrics, step: None)
-
-        async def main():
-            try:
-                await controller.run()
-            finally:
-                fleet.producer.cancel()
-        run(main())
+        run_controller(controller, fleet)
         calls = [c for c in fleet.calls if c in ("evaluate", "pause_admission", "resume_submissions")]
         return calls, len(controller.progress.eval_curve)
 
@@ -295,13 +292,7 @@ def test_publication_cadence_skips_versions_but_evaluations_and_the_end_get_curr
         fleet = FakeFleet(buckets=1)
         metrics = []
         controller = Controller(cfg, plan, fleet, lambda m, step: metrics.append(m))
-
-        async def main():
-            try:
-                await controller.run()
-            finally:
-                fleet.producer.cancel()
-        run(main())
+        run_controller(controller, fleet)
         skipped = [m["publish/skipped"] for m in metrics if "publish/skipped" in m]
         # every publication reaches the calibration, those before evaluations too
         assert controller.calibration.pubs == len(fleet.versions)
