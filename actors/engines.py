@@ -31,6 +31,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             device="cuda" if on_gpu else "cpu", dtype=cfg.model.dtype,
             max_running_requests=cfg.sglang.max_running_requests,
             max_total_tokens=cfg.engine.max_total_tokens,
+            prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
+            onednn_linear=cfg.engine.onednn_linear,
             max_prompt_len=cfg.rollout.max_prompt_len,
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
             # a resumed run continues with fresh randomness, not the start's stream again

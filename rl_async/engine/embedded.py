@@ -29,9 +29,9 @@ so after an in_place pause + update the frozen requests are rebuilt under the ne
 continue. Load all buckets of one publication while paused: a request admitted between two
 buckets would run on half-updated weights.
 
-`flush_cache`: the engine keeps no prefix cache; the only KV it holds belongs to running
-requests. Flushing while paused (in_place) drops that KV (the requests are rebuilt on
-continue, counted as refreshes); flushing while not paused leaves live requests untouched.
+`flush_cache` empties the prompt cache (rl_async/engine/prefix_cache.py; every retraction and
+weight load does too) and, while paused (in_place), drops the running requests' KV (rebuilt
+on continue, counted as refreshes); live requests of an unpaused engine are untouched.
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
 from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
                                       prefill_isolated)
 from rl_async.state.models import build_causal_lm
-from rl_async.engine.sampling import draw_uniforms, sample_tokens
+from rl_async.engine.sampling import draw
+from rl_async.engine.cpu_linear import pack_linears
+from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request, Scheduler
 from rl_async.engine.timing import RequestLatency, StepCurve
 from rl_async.engine.embedded_config import EmbeddedEngineConfig  # noqa: F401 -- re-exported
@@ -67,12 +69,19 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self.model = build_causal_lm(config.hf_config, config.path, config.init_seed,
                                      config.dtype, config.device, config.attn_implementation)
         self.model.requires_grad_(False)
+        # Reproducible runs never leave the kernel to a timing: unset means stock there.
+        wanted = (False if config.batch_invariant and config.onednn_linear is None
+                  else config.onednn_linear)
+        self._linears, self._linear_speedup = pack_linears(
+            self.model, self.device, wanted, rows=max(1, config.max_running_requests // 2))
         model_cfg = self.model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.context_len = config.context_len or int(model_cfg.max_position_embeddings)
         self.max_prompt_len = config.max_prompt_len or self.context_len - 1
         total = config.max_total_tokens or config.max_running_requests * self.context_len
         self.scheduler = Scheduler(config.max_running_requests, total)
+        self.prefix_cache = PrefixCache(total // 4 if config.prefix_cache_tokens is None
+                                        else config.prefix_cache_tokens)
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         self._batch: KVBatch | None = None
         self._version = 0
@@ -87,9 +96,20 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._bound: set[tuple[str, ...]] = set()  # buckets the parameters are views into
         self._joined: set[str] = set()  # publication channels joined, not destroyed
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
-        self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0}
+        self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0,
+                      "prefix_hits": 0,  # prompts copied from the prompt cache
+                      "onednn_linear": self._linears is not None,
+                      "onednn_linear_speedup": round(self._linear_speedup, 2)}
         self.step_curve = StepCurve()  # step seconds vs requests in the step (calibration)
         self.latency = RequestLatency()  # arrival to answer, engine side (calibration)
+
+    def _weights_changed(self) -> None:
+        """After every weight load (under the step lock): nothing derived from the old
+        weights may serve a step: the prompt cache is emptied, the packed linears re-packed
+        (running requests are retracted by the caller)."""
+        self.prefix_cache.clear()
+        if self._linears is not None:
+            self._linears.refresh()
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -202,11 +222,15 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
 
     async def flush_cache(self) -> None:
         async with self._guard():
+            self.prefix_cache.clear()
             if self._paused:
                 self._retract_running()
 
     def _retract_running(self) -> None:
-        """Running requests -> front of the queue with their KV dropped (rebuilt on admit)."""
+        """Running requests -> front of the queue with their KV dropped (rebuilt on admit).
+        Also empties the prompt cache: every weight load retracts, and no KV computed under
+        the old weights may seed a request afterwards."""
+        self.prefix_cache.clear()
         if self._batch is not None:
             self.scheduler.requeue_front(self._batch.requests)
             self._batch = None
@@ -347,7 +371,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         with torch.inference_mode():
             if admitted:
                 new_batch, logits_BV = (prefill_isolated if isolated else prefill)(
-                    self.model, admitted, self.device)
+                    self.model, admitted, self.device, self.prefix_cache)
+                self.stats["prefix_hits"] = self.prefix_cache.hits
                 for request in admitted:
                     if request.output_ids:  # a rebuilt prefix: the mixed-policy refresh
                         request.refreshes += 1
@@ -363,10 +388,10 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 finished: list[Request]) -> KVBatch | None:
         rows = batch.requests
         if self.config.batch_invariant:  # one row per call: no kernel sees a batch-mate
-            drawn = [self._draw(rows[i:i + 1], logits_BV[i:i + 1]) for i in range(len(rows))]
+            drawn = [draw(rows[i:i + 1], logits_BV[i:i + 1]) for i in range(len(rows))]
             tokens, logprobs = [t for d in drawn for t in d[0]], [lp for d in drawn for lp in d[1]]
         else:
-            tokens, logprobs = self._draw(rows, logits_BV)
+            tokens, logprobs = draw(rows, logits_BV)
         keep = []
         for i, (request, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
             if request.record(token, logprob, self._version):
@@ -374,15 +399,3 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             else:
                 keep.append(i)
         return batch.select(keep)
-
-    @staticmethod
-    def _draw(rows: list[Request], logits_BV: torch.Tensor) -> tuple[list[int], list[float]]:
-        params = [r.params for r in rows]
-        device = logits_BV.device
-        tokens_B, logprobs_B = sample_tokens(
-            logits_BV,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            draw_uniforms([r.generator for r in rows]))
-        return tokens_B.tolist(), logprobs_B.tolist()

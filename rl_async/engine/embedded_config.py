@@ -23,6 +23,14 @@ class EmbeddedEngineConfig:
     max_total_tokens: int | None = None  # None -> max_running_requests * context_len
     context_len: int | None = None  # None -> the model's max_position_embeddings
     max_prompt_len: int | None = None  # None -> context_len - 1
+    # Prompt KV kept for a group's later-admitted samples (rl_async/engine/prefix_cache.py),
+    # in tokens: None -> a quarter of max_total_tokens, 0 -> off.
+    prefix_cache_tokens: int | None = None
+    # Linear layers through oneDNN on weights packed once (rl_async/engine/cpu_linear.py):
+    # None -> on where supported (CPU, float32) and measured clearly faster at start (stock
+    # under batch_invariant: no timing decides a reproducible run's kernel), True ->
+    # required, False -> torch's F.linear.
+    onednn_linear: bool | None = None
     torch_threads: int | None = None  # None -> leave torch's setting alone
     sampling_seed: int = 0  # seeds requests whose SamplingParams.seed is None
     forward_in_thread: bool = True  # False: forwards block the loop (benchmarks, debugging)
@@ -40,6 +48,10 @@ class EmbeddedEngineConfig:
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"engine.device = {self.device!r}: use 'cpu', 'cuda' or 'cuda:N'")
         resolve_dtype(self.dtype)
+        if self.prefix_cache_tokens is not None and (
+                not isinstance(self.prefix_cache_tokens, int) or self.prefix_cache_tokens < 0):
+            raise ValueError(f"engine.prefix_cache_tokens = {self.prefix_cache_tokens!r}: must "
+                             f"be an int >= 0 (0 turns the prompt cache off)")
         for key in ("max_running_requests", "max_total_tokens", "context_len",
                     "max_prompt_len", "torch_threads"):
             value = getattr(self, key)

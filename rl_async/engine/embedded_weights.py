@@ -18,7 +18,7 @@ from rl_async.state.weights import bucket_nbytes, unflatten_bucket
 
 class EngineWeightsMixin:
     """Needs from the engine: `device`, `_params`, `_version`, `_recv_buffers`, `_bound`,
-    `_joined` (a set), `_guard()`, `_retract_running()`."""
+    `_joined` (a set), `_guard()`, `_weights_changed()`, `_retract_running()`."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
@@ -43,8 +43,8 @@ class EngineWeightsMixin:
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: int | None = None, *,
                                               flush_cache: bool | None = None) -> None:
-        """`flush_cache` is moot here: every update retracts running requests, and this
-        engine keeps no prefix cache across requests, so no KV of old weights survives."""
+        """`flush_cache` is moot here: every update retracts running requests and empties
+        the prompt cache (`_weights_changed`), so no KV of old weights survives."""
         if group_name not in self._joined:
             raise EngineError(f"update_weights_from_distributed: channel {group_name!r} was "
                               f"never joined by this engine (joined: {self.weight_update_groups()})")
@@ -64,6 +64,7 @@ class EngineWeightsMixin:
                 await asyncio.to_thread(torch.distributed.broadcast, flat, group=group,
                                         group_src=0)
                 self._set_version(weight_version)
+                self._weights_changed()
                 self._retract_running()
             return
         # Receive outside the lock (generation may go on); load under it, between two steps.
@@ -107,6 +108,7 @@ class EngineWeightsMixin:
                 for name, tensor in named_tensors:
                     if self._params[name].data_ptr() != tensor.data_ptr():
                         self._params[name].copy_(tensor.to(self.device))
+            self._weights_changed()
             self._retract_running()
 
     def _check_names(self, names: list[str], shapes: list[list[int]]) -> None:

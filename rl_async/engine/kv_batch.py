@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request
 from rl_async.state.models import cache_kwarg
 
@@ -130,26 +131,58 @@ def _left_pad_mask(mask_BL: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([mask_BL.new_zeros(mask_BL.shape[0], missing), mask_BL], dim=1)
 
 
-def prefill(model: torch.nn.Module, requests: list[Request], device: torch.device
-            ) -> tuple[KVBatch, torch.Tensor]:
+def prefill(model: torch.nn.Module, requests: list[Request], device: torch.device,
+            cache: PrefixCache | None = None) -> tuple[KVBatch, torch.Tensor]:
     """Run the whole prefix of each request; returns the batch (KV of every prefix token) and
-    the last-position logits [B, V]. Callers append the sampled token, which restores the
+    the last-position logits [B, V], row i for `batch.requests[i]` (the requests, in an order
+    of this function's choosing). Callers append the sampled token, which restores the
     invariant (cache = prefix minus its last token).
 
-    Requests with the same prefix (a group's n samples of one prompt, admitted together) run
-    once: the forward covers the distinct prefixes only and its rows are repeated, so a group
-    of n pays one prompt's prefill instead of n. Rows never share storage afterwards (each
-    decode step appends to its own row)."""
+    A prefix is computed once however many requests share it: requests with the same prefix
+    admitted together (a group's n samples of one prompt) share one row of the forward, and
+    with a `cache`, a prompt prefilled in an earlier step is copied from it, not recomputed
+    (siblings admitted later, as slots free up). Fresh prompts computed here are added to the
+    cache. Rows never share storage afterwards (each decode step appends to its own row)."""
     first: dict[tuple[int, ...], int] = {}
     rows = [first.setdefault(tuple(r.prefix()), len(first)) for r in requests]
-    if len(first) == len(requests):
-        return _prefill_rows(model, requests, device)
     distinct = [requests[rows.index(i)] for i in range(len(first))]
-    batch, logits_BV = _prefill_rows(model, distinct, device)
-    index = torch.tensor(rows, device=batch.mask_BL.device)
+    hits = {}
+    if cache is not None and cache.max_tokens:
+        for i, (key, request) in enumerate(zip(first, distinct)):
+            if not request.output_ids and (entry := cache.get(key)) is not None:
+                hits[i] = entry
+    missing = [i for i in range(len(distinct)) if i not in hits]
+    batch, logits_BV = None, []
+    if missing:
+        batch, computed_BV = _prefill_rows(model, [distinct[i] for i in missing], device)
+        logits_BV.append(computed_BV)
+        if cache is not None and cache.max_tokens:
+            _remember(cache, batch, computed_BV)
+        if len(missing) == len(requests):
+            return batch, computed_BV
+    for i, entry in hits.items():
+        mask_1L = torch.ones((1, entry.tokens), dtype=torch.long, device=device)
+        batch = KVBatch.merge(batch, KVBatch(new_cache(entry.kv), mask_1L, [distinct[i]]))
+        logits_BV.append(entry.logits_V[None])
+    position = {d: row for row, d in enumerate(missing + list(hits))}  # distinct -> its row
+    index = torch.tensor([position[d] for d in rows], device=batch.mask_BL.device)
+    # index_select copies: no row is a view of a cached tensor or of another row
     kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in batch.kv()]
     return (KVBatch(new_cache(kv), batch.mask_BL.index_select(0, index), list(requests)),
-            logits_BV.index_select(0, index))
+            torch.cat(logits_BV).index_select(0, index))
+
+
+def _remember(cache: PrefixCache, batch: KVBatch, logits_BV: torch.Tensor) -> None:
+    """Cache the fresh prompts of a prefilled batch: each row's real (unpadded) suffix."""
+    length = batch.mask_BL.shape[1]
+    kv = batch.kv()
+    for row, request in enumerate(batch.requests):
+        if request.output_ids:  # a retracted request's prompt + output: no sibling shares it
+            continue
+        start = length - len(request.prompt_ids)  # left padding: real positions are a suffix
+        cache.put(tuple(request.prompt_ids),
+                  [(k[row:row + 1, :, start:], v[row:row + 1, :, start:]) for k, v in kv],
+                  logits_BV[row])
 
 
 def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch.device
@@ -187,8 +220,8 @@ def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
     return out.logits[:, -1]
 
 
-def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device
-                     ) -> tuple[KVBatch, torch.Tensor]:
+def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device,
+                     cache: PrefixCache | None = None) -> tuple[KVBatch, torch.Tensor]:
     """`prefill`, one request per forward: each row's numbers are those of the request alone
     (no padding, batch of one), whatever else is admitted with it. The batch-invariant mode.
     Requests with the same prefix share one forward: identical inputs through the identical
@@ -198,7 +231,7 @@ def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: to
     for request in requests:
         key = tuple(request.prefix())
         if key not in done:
-            done[key] = prefill(model, [request], device)
+            done[key] = prefill(model, [request], device, cache)
         part, row_logits = done[key]
         request.prefill_len = len(key)
         batch = KVBatch.merge(batch, KVBatch(part.cache, part.mask_BL, [request]))

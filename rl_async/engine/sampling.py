@@ -21,6 +21,20 @@ from __future__ import annotations
 import torch
 
 
+def draw(rows: list, logits_BV: torch.Tensor) -> tuple[list[int], list[float]]:
+    """One token per row of the embedded engine's batch: `rows` are its requests (each with
+    `.params`, SamplingParams, and `.generator`, its own random stream)."""
+    params = [r.params for r in rows]
+    device = logits_BV.device
+    tokens_B, logprobs_B = sample_tokens(
+        logits_BV,
+        torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+        torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+        torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+        draw_uniforms([r.generator for r in rows]))
+    return tokens_B.tolist(), logprobs_B.tolist()
+
+
 def draw_uniforms(generators: list[torch.Generator]) -> torch.Tensor:
     """One uniform in [0, 1) per row from that row's generator (float64, on CPU)."""
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])

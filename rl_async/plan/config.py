@@ -103,6 +103,12 @@ class EngineSection(Section):
     backend: Literal["embedded", "sglang", "synthetic"] | None = None  # profile default
     # Embedded engine: token budget over running requests (prompt + generated tokens).
     max_total_tokens: PositiveInt = 8192
+    # Embedded engine: prompt KV kept for a group's samples admitted in later steps, in
+    # tokens; omitted -> a quarter of max_total_tokens, 0 -> off.
+    prefix_cache_tokens: int | None = Field(None, ge=0)
+    # Embedded engine on CPU: linear layers through oneDNN on weights packed once. Omitted ->
+    # where measured clearly faster at start (real models; not the tiny test ones).
+    onednn_linear: bool | None = None
     torch_threads: PositiveInt = 1
     # Restart dead or unresponsive engines. Default: on, except with
     # refresh.mode = "mixed_policy" (a restarted engine cannot rebuild retracted prefixes).
