@@ -10,7 +10,7 @@ static batch runs until its longest request; both sides are credited ONLY with u
 (each request's own length), which is what an RL producer gets. Sampling at temperature 1;
 stop tokens are disabled on both sides so lengths are exactly the drawn ones.
 
-    python benchmarks/engine_throughput.py --json
+    python benchmarks/engine_throughput.py --json [--model smollm2] [--repeat N]
 prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}, and
 the same engine in batch-invariant mode (run.deterministic): "batch_invariant_fraction" is the
 throughput it keeps, "batch_invariant_vs_hf" its ratio to HF generate.
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -85,8 +86,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (RL group)")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="interleaved rounds, median of each side (default 3 tiny, 1 smollm2)")
     args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
     torch.set_num_threads(args.threads)
+    if args.repeat is None:
+        args.repeat = 3 if args.model == "tiny" else 1
     if args.model == "smollm2":
         from rl_async.state.prepare_model import prepare_model
 
@@ -114,15 +119,24 @@ def main() -> None:
         batch_invariant=True))
     asyncio.run(run_embedded(invariant, [(p, 4) for p, _ in warm]))
 
-    emb_s, emb_tokens = asyncio.run(run_embedded(engine, work))
-    hf_s, hf_tokens, hf_computed = run_hf_generate(stock, work, args.batch)
-    # the same static batches on the engine's kernels: the scheduling's share of the ratio
-    same_s, _, _ = run_hf_generate(engine.model, work, args.batch)
-    inv_s, inv_tokens = asyncio.run(run_embedded(invariant, work))
+    # --repeat interleaved rounds, the median time of each side (a 1-second tiny run is noise)
+    rounds: dict[str, list[float]] = {"emb": [], "hf": [], "same": [], "inv": []}
+    for _ in range(args.repeat):
+        seconds, emb_tokens = asyncio.run(run_embedded(engine, work))
+        rounds["emb"].append(seconds)
+        seconds, hf_tokens, hf_computed = run_hf_generate(stock, work, args.batch)
+        rounds["hf"].append(seconds)
+        # the same static batches on the engine's kernels: the scheduling's share of the ratio
+        rounds["same"].append(run_hf_generate(engine.model, work, args.batch)[0])
+        seconds, inv_tokens = asyncio.run(run_embedded(invariant, work))
+        rounds["inv"].append(seconds)
+    emb_s, hf_s, same_s, inv_s = (statistics.median(rounds[k])
+                                  for k in ("emb", "hf", "same", "inv"))
     result = {
         "embedded_tokens_per_s": round(emb_tokens / emb_s, 1),
         "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
         "ratio": round((emb_tokens / emb_s) / (hf_tokens / hf_s), 3),
+        "round_ratios": [round(h / e, 3) for e, h in zip(rounds["emb"], rounds["hf"])],
         # HF generate on the engine's own kernels: what continuous batching and the prompt
         # cache give alone; ratio / this is what the oneDNN linears give
         "ratio_same_kernels": round(same_s / emb_s, 3),
@@ -139,6 +153,7 @@ def main() -> None:
         "embedded_seconds": round(emb_s, 2),
         "hf_seconds": round(hf_s, 2),
         "requests": args.requests,
+        "repeat": args.repeat,
         "group": args.group,
         "model": args.model,
         "max_running_requests": args.batch,

@@ -10,8 +10,8 @@ Loop (one background asyncio task, started by the first `generate`):
                                              +--> finished rows leave at once; futures resolved
 
 Every step holds `_lock`; the forward runs in a worker thread so the event loop (which also
-serves Ray actor calls) stays responsive. Every API call that changes state (abort, pause,
-continue, flush, weight loads) takes the same lock, so it lands between two steps.
+serves Ray actor calls) stays responsive; every API call that changes state takes the lock.
+Speed on CPU: prefix_cache.py, cpu_linear.py, fast_decode.py (docs/benchmarks.md, "Engine").
 
 Pause modes (SPEC §10):
 - `abort`: every running and waiting request finishes with finish_reason "abort" and the
@@ -23,15 +23,12 @@ Pause modes (SPEC §10):
 - `in_place`: running requests freeze with their KV and go on after `continue_generation`.
 While paused, new `generate` calls wait in the queue.
 
-Weights and KV (LESSONS miles#2782): KV computed under old weights is never reused after a
-weight load. Every `update_weights_*` call retracts the running requests (as `retract` does),
-so after an in_place pause + update the frozen requests are rebuilt under the new weights on
-continue. Load all buckets of one publication while paused: a request admitted between two
-buckets would run on half-updated weights.
-
-`flush_cache` empties the prompt cache (rl_async/engine/prefix_cache.py; every retraction and
-weight load does too) and, while paused (in_place), drops the running requests' KV (rebuilt
-on continue, counted as refreshes); live requests of an unpaused engine are untouched.
+Weights and KV (LESSONS miles#2782): nothing computed under old weights is reused after a
+weight load: every `update_weights_*` call retracts the running requests (frozen ones are
+rebuilt on continue), empties the prompt cache and re-packs the linears. Load all buckets of
+one publication while paused: a request admitted between two would run on half-updated weights.
+`flush_cache` empties the prompt cache and, while paused (in_place), drops the running
+requests' KV (rebuilt on continue, counted as refreshes).
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
 from rl_async.state.models import build_causal_lm
 from rl_async.engine.sampling import draw
 from rl_async.engine.cpu_linear import pack_linears
+from rl_async.engine.fast_decode import fast_decode_for
 from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request, Scheduler
 from rl_async.engine.timing import RequestLatency, StepCurve
@@ -74,6 +72,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                   else config.onednn_linear)
         self._linears, self._linear_speedup = pack_linears(
             self.model, self.device, wanted, rows=max(1, config.max_running_requests // 2))
+        self._fast, fast_decode = fast_decode_for(self.model)  # or why the stock forward stays
         model_cfg = self.model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.context_len = config.context_len or int(model_cfg.max_position_embeddings)
@@ -99,7 +98,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0,
                       "prefix_hits": 0,  # prompts copied from the prompt cache
                       "onednn_linear": self._linears is not None,
-                      "onednn_linear_speedup": round(self._linear_speedup, 2)}
+                      "onednn_linear_speedup": round(self._linear_speedup, 2),
+                      "fast_decode": fast_decode}
         self.step_curve = StepCurve()  # step seconds vs requests in the step (calibration)
         self.latency = RequestLatency()  # arrival to answer, engine side (calibration)
 
@@ -380,7 +380,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 new_batch = self._sample(new_batch, logits_BV, finished)
                 self._batch = KVBatch.merge(self._batch, new_batch)
             if self._batch is not None:
-                logits_BV = (decode_isolated if isolated else decode)(self.model, self._batch)
+                logits_BV = (decode_isolated(self.model, self._batch) if isolated
+                             else decode(self.model, self._batch, self._fast))
                 self._batch = self._sample(self._batch, logits_BV, finished)
         return finished
 

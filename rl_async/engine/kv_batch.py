@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from rl_async.engine.fast_decode import FastDecode
 from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request
 from rl_async.state.models import cache_kwarg
@@ -208,16 +209,21 @@ def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch
     return KVBatch(cache, mask_BL, list(requests)), out.logits[:, -1]
 
 
-def decode(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
-    """Feed every row's last sampled token; appends one KV column; returns logits [B, V]."""
+def decode(model: torch.nn.Module, batch: KVBatch, fast: FastDecode | None = None
+           ) -> torch.Tensor:
+    """Feed every row's last sampled token; appends one KV column; returns logits [B, V].
+    `fast`: the same step without the stock forward's per-call Python (fast_decode.py)."""
     device = batch.mask_BL.device
     ids_B1 = torch.tensor([[r.output_ids[-1]] for r in batch.requests], device=device)
     mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)], dim=1)
     positions_B1 = mask_BL.sum(dim=1, keepdim=True) - 1
-    out = model(input_ids=ids_B1, attention_mask=mask_BL, position_ids=positions_B1,
-                use_cache=True, **{cache_kwarg(model): batch.cache})
+    if fast is not None:
+        logits_BV = fast.step(ids_B1, mask_BL, positions_B1, batch.cache)
+    else:
+        logits_BV = model(input_ids=ids_B1, attention_mask=mask_BL, position_ids=positions_B1,
+                          use_cache=True, **{cache_kwarg(model): batch.cache}).logits[:, -1]
     batch.mask_BL = mask_BL
-    return out.logits[:, -1]
+    return logits_BV
 
 
 def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device,

@@ -108,9 +108,9 @@ def test_never_more_than_max_running_and_token_budget(monkeypatch):
     seen = []
     real_decode = embedded_mod.decode
 
-    def spy(model, batch):
+    def spy(model, batch, fast=None):
         seen.append((len(batch.requests), sum(r.reserved_tokens for r in batch.requests)))
-        return real_decode(model, batch)
+        return real_decode(model, batch, fast)
 
     monkeypatch.setattr(embedded_mod, "decode", spy)
 
@@ -181,11 +181,11 @@ def test_step_failure_fails_affected_requests_then_engine_recovers(monkeypatch):
     calls = {"n": 0}
     real_decode = embedded_mod.decode
 
-    def flaky(model, batch):
+    def flaky(model, batch, fast=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("simulated kernel failure")
-        return real_decode(model, batch)
+        return real_decode(model, batch, fast)
 
     monkeypatch.setattr(embedded_mod, "decode", flaky)
 

@@ -166,3 +166,33 @@ def test_onednn_linear_setting():
         pack_linears(stock_model(), torch.device("meta"), True, rows=4)
     with pytest.raises(ValueError, match="engine.prefix_cache_tokens = -1"):
         make_engine(prefix_cache_tokens=-1)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_fast_decode_gives_the_stock_forwards_bits(model_type):
+    """fast_decode.py runs the same modules without the stock forward's per-call Python: a
+    seeded request gets exactly the same tokens and log-probs as through the stock forward."""
+    config = tiny_llama_config(model_type=model_type)
+    fast, stock = (make_engine(hf_config=config, max_running_requests=3) for _ in range(2))
+    stock._fast = None
+    assert fast.stats["fast_decode"] == "on" and fast._fast is not None
+    prompts = [GROUP, [1, 9], [4, 4, 4, 4, 4, 4, 4, 4, 2]]
+
+    def run(engine):
+        async def go():
+            return await asyncio.gather(*(
+                engine.generate(p, SamplingParams(max_new_tokens=9, temperature=1.0, seed=i))
+                for i, p in enumerate(prompts * 2)))
+        return asyncio.run(go())
+
+    a, b = run(fast), run(stock)
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    assert [o.output_logprobs for o in a] == [o.output_logprobs for o in b]
+
+
+def test_fast_decode_keeps_the_stock_forward_where_it_does_not_apply():
+    from rl_async.engine.fast_decode import fast_decode_for
+
+    model = build_causal_lm(tiny_llama_config(), attn_implementation="eager")
+    assert fast_decode_for(model) == (None, "attention 'eager' (sdpa only)")
+    assert fast_decode_for(torch.nn.Linear(2, 2))[1].startswith("model_type None")
