@@ -39,6 +39,11 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device) -> str | No
     return None
 
 
+def linear_modules(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The plain `nn.Linear` layers (subclasses, e.g. quantized ones, keep their forward)."""
+    return [m for m in model.modules() if type(m) is torch.nn.Linear]
+
+
 def pack_linears(model: torch.nn.Module, device: torch.device, wanted: bool | None,
                  rows: int) -> tuple[PackedLinears | None, float]:
     """engine.onednn_linear: True packs (an error where impossible), False never, None packs
@@ -63,9 +68,8 @@ def measure_speedup(model: torch.nn.Module, rows: int, repeats: int = 5) -> floa
     (each distinct shape timed interleaved, best of `repeats`, weighted by how many layers
     have it). Above 1: oneDNN is faster on this machine for this model."""
     shapes: dict[tuple[int, ...], list[torch.nn.Linear]] = {}
-    for m in model.modules():
-        if type(m) is torch.nn.Linear:
-            shapes.setdefault(tuple(m.weight.shape), []).append(m)
+    for m in linear_modules(model):
+        shapes.setdefault(tuple(m.weight.shape), []).append(m)
     stock = fast = 0.0
     with torch.inference_mode():
         for layers in shapes.values():
@@ -91,7 +95,7 @@ class PackedLinears:
     """Every `torch.nn.Linear` of `model` runs on its packed weight (see the module doc)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.modules = [m for m in model.modules() if type(m) is torch.nn.Linear]
+        self.modules = linear_modules(model)
         self._packed: dict[int, torch.Tensor] = {}
         self.refresh()
         for module in self.modules:
