@@ -13,6 +13,7 @@ import time
 import ray
 
 from rl_async.plan.config import RunConfig
+from rl_async.base.allocator import reuse_freed_memory
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 from rl_async.loop.monitor import LoopMonitor
 
@@ -69,6 +70,10 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
 class EngineActor:
     def __init__(self, cfg: RunConfig, index: int, start_version: int = 0):
         self.index = index
+        # before the model is built: its tensors then come from reused memory too
+        self.allocator = (reuse_freed_memory() if cfg.engine.backend == "embedded"
+                          and not cfg.cluster.inference_gpus
+                          and cfg.cluster.cpu_allocator == "reuse" else "system")
         self.engine = build_engine(cfg, index, start_version)
         self.monitor = LoopMonitor()
         self._die_in_transfer = False
@@ -78,7 +83,8 @@ class EngineActor:
         self.monitor.ensure_started()
         if hasattr(self.engine, "start"):
             await self.engine.start()
-        return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+        return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "allocator": self.allocator}
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput:
@@ -177,6 +183,7 @@ class EngineActor:
         return {**self.monitor.metrics(prefix), **measured,
                 # every thread of this process (the forward's too): rl_async/loop/threads.py
                 f"{prefix}/cpu_seconds": time.process_time(),
+                f"{prefix}/memory_reused": float(self.allocator == "on"),
                 **({f"{prefix}/threads": float(self.engine.stats["threads"])}
                    if "threads" in getattr(self.engine, "stats", {}) else {}),
                 f"{prefix}/running": float(load.running),

@@ -10,6 +10,12 @@ static batch runs until its longest request; both sides are credited ONLY with u
 (each request's own length), which is what an RL producer gets. Sampling at temperature 1;
 stop tokens are disabled on both sides so lengths are exactly the drawn ones.
 
+Each side runs as it is deployed: the engine in a process with `cluster.cpu_allocator =
+reuse` (rl_async/base/allocator.py, as its actor applies it; `--allocator system` measures
+without), HF `generate` in a child process of its own with glibc's defaults (a user's
+process). "ratio_same_kernels" runs HF on the engine's model in the engine's process (same
+kernels, same allocator): what continuous batching and the prompt cache give alone.
+
     python benchmarks/engine_throughput.py --json [--model smollm2] [--repeat N]
 prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}, and
 the same engine in batch-invariant mode (run.deterministic): "batch_invariant_fraction" is the
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import statistics
 import time
@@ -28,6 +35,7 @@ import time
 import torch
 
 from _smoke import parse_with_smoke
+from rl_async.base.allocator import reuse_freed_memory
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from rl_async.state.models import build_causal_lm, tiny_llama_config
@@ -76,6 +84,20 @@ def run_hf_generate(model, work, batch_size: int) -> tuple[float, int, int]:
     return time.perf_counter() - start, useful, computed
 
 
+_stock = None  # the child process's HF model
+
+
+def _stock_init(hf_config, path, threads: int) -> None:
+    global _stock
+    torch.set_num_threads(threads)
+    _stock = build_causal_lm(hf_config, path)
+    _stock.requires_grad_(False)
+
+
+def _stock_run(work, batch_size: int) -> tuple[float, int, int]:
+    return run_hf_generate(_stock, work, batch_size)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
@@ -86,10 +108,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (RL group)")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--allocator", choices=("reuse", "system"), default="reuse",
+                        help="the engine process's cluster.cpu_allocator")
     parser.add_argument("--repeat", type=int, default=None,
                         help="interleaved rounds, median of each side (default 3 tiny, 1 smollm2)")
     args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
     torch.set_num_threads(args.threads)
+    allocator = reuse_freed_memory() if args.allocator == "reuse" else "system"
     if args.repeat is None:
         args.repeat = 3 if args.model == "tiny" else 1
     if args.model == "smollm2":
@@ -105,12 +130,13 @@ def main() -> None:
         **model, max_running_requests=args.batch, torch_threads=args.threads))
     work = make_workload(args.requests, args.seed, vocab, args.max_len, args.group)
     # HF generate as a user runs it: its own stock copy of the same weights (the engine's
-    # model runs its linear layers through oneDNN, rl_async/engine/cpu_linear.py).
-    stock = build_causal_lm(model.get("hf_config"), model.get("path"))
-    stock.requires_grad_(False)
+    # model runs its linear layers through oneDNN, rl_async/engine/cpu_linear.py), in a
+    # process of its own with glibc's default allocator.
+    stock = multiprocessing.get_context("spawn").Pool(
+        1, _stock_init, (model.get("hf_config"), model.get("path"), args.threads))
     warm = work[: args.batch // 2]
     asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
-    run_hf_generate(stock, [(p, 4) for p, _ in warm], args.batch)
+    stock.apply(_stock_run, ([(p, 4) for p, _ in warm], args.batch))
     run_hf_generate(engine.model, [(p, 4) for p, _ in warm], args.batch)
 
     # run.deterministic: the same engine decoding batch-invariantly (one forward per row).
@@ -124,7 +150,7 @@ def main() -> None:
     for _ in range(args.repeat):
         seconds, emb_tokens = asyncio.run(run_embedded(engine, work))
         rounds["emb"].append(seconds)
-        seconds, hf_tokens, hf_computed = run_hf_generate(stock, work, args.batch)
+        seconds, hf_tokens, hf_computed = stock.apply(_stock_run, (work, args.batch))
         rounds["hf"].append(seconds)
         # the same static batches on the engine's kernels: the scheduling's share of the ratio
         rounds["same"].append(run_hf_generate(engine.model, work, args.batch)[0])
@@ -142,6 +168,7 @@ def main() -> None:
         "ratio_same_kernels": round(same_s / emb_s, 3),
         "hf_same_kernels_seconds": round(same_s, 2),
         "onednn_linear": engine.stats["onednn_linear"],
+        "engine_allocator": allocator,
         "prefix_hits": engine.stats["prefix_hits"],
         "batch_invariant_tokens_per_s": round(inv_tokens / inv_s, 1),
         # throughput kept by run.deterministic, and its standing against HF generate
@@ -159,6 +186,7 @@ def main() -> None:
         "max_running_requests": args.batch,
         "engine_steps": engine.load().extra["steps"],
     }
+    stock.close()
     if emb_tokens != hf_tokens:
         raise SystemExit(f"useful token counts differ: embedded {emb_tokens} vs hf {hf_tokens}")
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

@@ -67,6 +67,10 @@ class ClusterSection(Section):
     # per engine) and, after a measured window, gives the side that bounds the loop the cores
     # the other leaves idle (rl_async/loop/threads.py); "fixed" keeps the start split.
     cpu_threads: Literal["auto", "fixed"] = "auto"
+    # CPU engine and trainer processes keep freed tensor memory for reuse instead of handing
+    # it back to the OS and page-faulting it in again (rl_async/base/allocator.py): "reuse",
+    # or glibc's default ("system"; the process then returns memory it no longer uses).
+    cpu_allocator: Literal["reuse", "system"] = "reuse"
     # Memory of one GPU, for the memory plan (`rl-async plan`): 80 (H100/A100), 141 (H200).
     gpu_memory_gb: PositiveFloat = 80.0
 

@@ -182,6 +182,9 @@ def test_set_threads_reaches_the_threads_that_compute(ray_cluster):
             first = await fleet.train(await fleet.get_groups(4, 0), 0)
             assert first["trainer/threads"] == 1.0
             assert (await fleet.metrics())["engine/0/threads"] == 1.0
+            # cluster.cpu_allocator = reuse (the default) reached both processes (glibc here)
+            assert first["trainer/memory_reused"] == 1.0
+            assert (await fleet.metrics())["engine/0/memory_reused"] == 1.0
             await fleet.set_threads(2, 2)
             await fleet.evaluate()  # engine steps after the change
             assert (await fleet.metrics())["engine/0/threads"] == 2.0
