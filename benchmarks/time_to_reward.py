@@ -18,8 +18,9 @@ started, held-out reward], evals and drains included):
 --task count (default): the long-tailed counting variant of the built-in task
 (`task.count_tokens = 16`: each prompt's response is 2..16 tokens, 8x the shortest, by
 prompt; rl_async.algo.successor), 32 prompts x 16 samples per update, 128 engine rows,
-lr 7.5e-5: sync needs ~120 updates, over 60 s, to the target (at 1.5e-4, ~70 updates and
-30-50 s: one eval interval was 1/14 of it). --task successor:
+lr 4e-5, an evaluation every 7 updates: sync needs over 60 s to the target (lr 7.5e-5
+reached it in ~120 updates and 48 s once the engine got faster, 5e-5 in 48-73 s, median
+58.7; at 1.5e-4, ~70 updates: one eval interval was 1/14 of it). --task successor:
 the demo files as they are (2-token answers; the target in ~4 s, one or two eval intervals).
 
     python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 2,4,4:3] [--out DIR]
@@ -47,10 +48,10 @@ from rl_async.observe.compare import time_to
 
 # Per task: overrides for every mode, and the default eval interval (updates).
 TASKS = {
-    "count": (["task.count_tokens=16", "rollout.max_response_len=16", "train.lr=0.000075",
+    "count": (["task.count_tokens=16", "rollout.max_response_len=16", "train.lr=0.00004",
                "rollout.rollout_batch_size=32", "train.global_batch_size=512",
                "train.micro_batch_size=256", "sglang.max_running_requests=128",
-               "async.async_max_concurrent_samples=256", "run.max_steps=200"], 4),
+               "async.async_max_concurrent_samples=256", "run.max_steps=360"], 7),
     "successor": ([], 10),
 }
 GOAL_SPEEDUP, GOAL_SYNC_SECONDS, GOAL_EVALS_TO_TARGET = 1.6, 60.0, 20
