@@ -7,8 +7,8 @@ MiB every step (the embedded engine re-packs its KV cache whenever rows join or 
 batch; a trainer's activations) pays a page fault per 4 KiB page on every first touch.
 Measured (2 shared cores, 2026-12-07): writing a 1 MiB KV slice into a fresh buffer took
 1.8 ms against 0.1-0.35 ms into reused memory; the embedded engine at 512 running requests of
-the tiny model spent a third of its time there (31.5 -> 17.5 us per generated token with
-this on; benchmarks/engine_throughput.py).
+the time-to-reward model spent a third of its time there (31.5 -> 17.5 us per generated
+token with this on; docs/benchmarks.md, "Engine").
 
 `reuse_freed_memory()` fixes the mmap threshold at 32 MiB (the largest glibc accepts on 64-bit)
 and the trim threshold at 1 GiB, so blocks up to 32 MiB come from the heap and freed ones are

@@ -204,8 +204,8 @@ def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch
     # layers, and NaN * 0 attention weight is still NaN.
     real_B1L1 = mask_BL[:, None, :, None].bool()
     for layer in cache.layers:
-        layer.keys = torch.where(real_B1L1, layer.keys, 0)
-        layer.values = torch.where(real_B1L1, layer.values, 0)
+        layer.keys, layer.values = (torch.where(real_B1L1, layer.keys, 0),
+                                    torch.where(real_B1L1, layer.values, 0))
     return KVBatch(cache, mask_BL, list(requests)), out.logits[:, -1]
 
 
@@ -272,8 +272,11 @@ def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
         logits.append(done[key][0])
         new_kv.append(done[key][1])
     for i, layer in enumerate(batch.cache.layers):
-        layer.keys = torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2)
-        layer.values = torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2)
+        # both read before either is assigned: assigning keys moves the filled length, so
+        # values read after it would take a column of a buffer's room
+        layer.keys, layer.values = (
+            torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2),
+            torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2))
     batch.mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)],
                               dim=1)
     return torch.cat(logits)

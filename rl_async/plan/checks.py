@@ -239,7 +239,7 @@ _ONLY_FOR = (
      "embedded engines and trainers on CPU"),
     ("cluster.cpu_allocator", lambda c: (c.engine.backend == "embedded"
                                          and not c.cluster.inference_gpus)
-     or (c.train.backend == "torch" and not c.cluster.trainer_gpus),
+     or (c.train.backend != "synthetic" and not c.cluster.trainer_gpus),
      "the memory of engine and trainer processes on CPU"),
     ("engine.torch_threads", lambda c: c.engine.backend == "embedded"
      and not c.cluster.inference_gpus, "the CPU threads of an embedded engine on CPU"),
