@@ -13,7 +13,7 @@ import time
 import ray
 
 from rl_async.plan.config import RunConfig
-from rl_async.base.allocator import reuse_freed_memory
+from rl_async.base.allocator import apply_for
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 from rl_async.loop.monitor import LoopMonitor
 
@@ -71,9 +71,7 @@ class EngineActor:
     def __init__(self, cfg: RunConfig, index: int, start_version: int = 0):
         self.index = index
         # before the model is built: its tensors then come from reused memory too
-        self.allocator = (reuse_freed_memory() if cfg.engine.backend == "embedded"
-                          and not cfg.cluster.inference_gpus
-                          and cfg.cluster.cpu_allocator == "reuse" else "system")
+        self.allocator = apply_for(cfg, "engine")
         self.engine = build_engine(cfg, index, start_version)
         self.monitor = LoopMonitor()
         self._die_in_transfer = False
@@ -83,8 +81,7 @@ class EngineActor:
         self.monitor.ensure_started()
         if hasattr(self.engine, "start"):
             await self.engine.start()
-        return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "allocator": self.allocator}
+        return {"index": self.index, "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput:

@@ -15,7 +15,7 @@ import torch
 
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
-from rl_async.base.allocator import reuse_freed_memory
+from rl_async.base.allocator import apply_for
 from rl_async.loop.threads import initial_split
 from rl_async.state.models import resolve_dtype
 from rl_async.state.hf_export import export_hf
@@ -73,8 +73,7 @@ class TrainerWorker:
         self.cfg, self.plan, self.rank, self.world = cfg, plan, rank, world
         if not cfg.cluster.trainer_gpus:
             torch.set_num_threads(initial_split(cfg).trainer)  # the plan's, one source
-        self.allocator = (reuse_freed_memory() if not cfg.cluster.trainer_gpus
-                          and cfg.cluster.cpu_allocator == "reuse" else "system")
+        self.allocator = apply_for(cfg, "trainer")
         self._threads = torch.get_num_threads()
         self.trainer = None
         self._sender: PublicationSender | None = None  # rank 0, on first use

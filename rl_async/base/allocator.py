@@ -30,6 +30,23 @@ TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 _applied: str | None = None
 
 
+def applies_to(cfg, side: str) -> bool:
+    """Whether `cluster.cpu_allocator` concerns this side's processes ("engine" or
+    "trainer"): embedded engines and real trainers on CPU. `cfg` is a RunConfig (not imported:
+    the base layer knows no configs)."""
+    c = cfg.cluster
+    if side == "engine":
+        return cfg.engine.backend == "embedded" and not c.inference_gpus
+    return cfg.train.backend != "synthetic" and not c.trainer_gpus
+
+
+def apply_for(cfg, side: str) -> str:
+    """What an actor shell of `side` runs at start: "on", "unavailable: ..." or "system"."""
+    if applies_to(cfg, side) and cfg.cluster.cpu_allocator == "reuse":
+        return reuse_freed_memory()
+    return "system"
+
+
 def reuse_freed_memory() -> str:
     """Apply the setting to this process once; returns "on" or "unavailable: <why>"."""
     global _applied

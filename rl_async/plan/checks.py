@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rl_async.algo import math_reward
+from rl_async.base.allocator import applies_to
 from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
@@ -237,9 +238,7 @@ _ONLY_FOR = (
     ("cluster.cpu_threads", lambda c: c.engine.backend == "embedded" and not
      c.cluster.inference_gpus and not c.cluster.trainer_gpus,
      "embedded engines and trainers on CPU"),
-    ("cluster.cpu_allocator", lambda c: (c.engine.backend == "embedded"
-                                         and not c.cluster.inference_gpus)
-     or (c.train.backend != "synthetic" and not c.cluster.trainer_gpus),
+    ("cluster.cpu_allocator", lambda c: applies_to(c, "engine") or applies_to(c, "trainer"),
      "the memory of engine and trainer processes on CPU"),
     ("engine.torch_threads", lambda c: c.engine.backend == "embedded"
      and not c.cluster.inference_gpus, "the CPU threads of an embedded engine on CPU"),
