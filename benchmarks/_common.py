@@ -9,6 +9,7 @@ evaluation and shutdown.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -67,3 +68,32 @@ class TimedRun:
             await fleet.shutdown()
         return {"summary": summary, "rows": rows, "start_seconds": ready - started,
                 "end": ended}
+
+
+def curve_without_evals(result: dict) -> tuple[list[list], float]:
+    """A TimedRun's eval curve ([step, seconds, reward]) on the training loop's clock: each
+    point's wall time minus the seconds of every evaluation up to and including it (the
+    `eval/seconds` rows). A drain before an evaluation (eval.drain) stays on the clock: it is
+    the pipeline's cost, not the evaluation's. Returns the curve and the seconds taken out."""
+    evals = [(m["eval/wall_seconds"], m["eval/seconds"]) for _t, _s, m in result["rows"]
+             if "eval/seconds" in m]
+    curve, taken_out = [], 0.0
+    for (step, _wall, reward), (wall, seconds) in zip(result["summary"]["eval"]["curve"], evals):
+        taken_out += seconds
+        curve.append([step, round(wall - taken_out, 3), reward])
+    return curve, taken_out
+
+
+def speedup(theirs: float, ours: float) -> float:
+    """How many times sooner `ours` reaches a target than `theirs` (seconds, +inf: never):
+    0 when ours never does; 1 when both are there at the start."""
+    if not math.isfinite(ours):
+        return 0.0
+    if ours == 0:
+        return 1.0 if theirs == 0 else 1e9
+    return theirs / ours
+
+
+def finite(x: float) -> float | None:
+    """JSON has no infinity: a target never reached is null."""
+    return round(x, 2) if math.isfinite(x) else None

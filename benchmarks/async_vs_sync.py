@@ -19,8 +19,11 @@ final evaluations, the shutdown drain and the first collection (the async pipeli
 which cannot overlap anything). `loop_*` also counts the first collection (initial eval row
 -> last collection row); `wall_*` is the summary's wall_seconds (evals and drain included).
 
-    python benchmarks/async_vs_sync.py --json
-prints one JSON line {"sync_seconds", "async_seconds", "speedup", ...}.
+--pairs N runs N sync/async pairs, alternating which mode runs first, and reports the median
+of the per-pair ratios (each pair measured back to back, so machine noise hits both).
+
+    python benchmarks/async_vs_sync.py --json [--pairs 3]
+prints one JSON line {"sync_seconds", "async_seconds", "speedup", "pair_speedups", ...}.
 """
 
 from __future__ import annotations
@@ -110,28 +113,41 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=16,
                         help="groups of 16 samples per collection (rollout_batch_size)")
     parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--pairs", type=int, default=3,
+                        help="sync/async pairs, alternating which runs first")
     parser.add_argument("--only", choices=("sync", "async"),
                         help="run one mode only and print its measures (for investigation)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra run-file override for both runs")
     args = parse_with_smoke(parser, steps=2, response_len=4, hidden=32, vocab=64, groups=2,
-                            max_running=8, eval_prompts=4)
+                            max_running=8, eval_prompts=4, pairs=1)
     init_ray(num_cpus=2)
     try:
         if args.only:
             print(json.dumps(run_one(args, args.only)), flush=True)
             return
-        sync = run_one(args, "sync")
-        asyn = run_one(args, "async")
+        pairs = []
+        for k in range(args.pairs):
+            order = ("sync", "async") if k % 2 == 0 else ("async", "sync")
+            pairs.append({mode: run_one(args, mode) for mode in order})
     finally:
         ray.shutdown()
-    line = {"sync_seconds": round(sync["steady_seconds"], 3),
-            "async_seconds": round(asyn["steady_seconds"], 3),
-            "speedup": round(sync["steady_seconds"] / asyn["steady_seconds"], 3),
-            "loop_speedup": round(sync["loop_seconds"] / asyn["loop_seconds"], 3),
-            "wall_speedup": round(sync["wall_seconds"] / asyn["wall_seconds"], 3),
-            "steps": args.steps, "timed_collections": sync["collections"] - 1,
-            "sync": sync, "async": asyn}
+
+    def median_ratio(key: str) -> float:
+        return round(statistics.median(p["sync"][key] / p["async"][key] for p in pairs), 3)
+
+    line = {"sync_seconds": round(statistics.median(p["sync"]["steady_seconds"]
+                                                    for p in pairs), 3),
+            "async_seconds": round(statistics.median(p["async"]["steady_seconds"]
+                                                     for p in pairs), 3),
+            "speedup": median_ratio("steady_seconds"),
+            "pair_speedups": [round(p["sync"]["steady_seconds"] / p["async"]["steady_seconds"],
+                                    3) for p in pairs],
+            "loop_speedup": median_ratio("loop_seconds"),
+            "wall_speedup": median_ratio("wall_seconds"),
+            "steps": args.steps, "pairs": args.pairs,
+            "timed_collections": pairs[0]["sync"]["collections"] - 1,
+            "sync": pairs[-1]["sync"], "async": pairs[-1]["async"]}
     print(json.dumps(line), flush=True)
 
 

@@ -10,11 +10,13 @@ static batch runs until its longest request; both sides are credited ONLY with u
 (each request's own length), which is what an RL producer gets. Sampling at temperature 1;
 stop tokens are disabled on both sides so lengths are exactly the drawn ones.
 
-Each side runs as it is deployed: the engine in a process with `cluster.cpu_allocator =
-reuse` (rl_async/base/allocator.py, as its actor applies it; `--allocator system` measures
-without), HF `generate` in a child process of its own with glibc's defaults (a user's
-process). "ratio_same_kernels" runs HF on the engine's model in the engine's process (same
-kernels, same allocator): what continuous batching and the prompt cache give alone.
+Both sides get the same glibc allocator setting (`--allocator`, default `reuse`: what the
+engine's actor applies, rl_async/base/allocator.py): the engine in this process, HF `generate`
+in a child process of its own with its stock copy of the weights. The engine's prompt cache
+is emptied before every round, as every weight load empties it in RL: only a group's samples
+admitted in the same round share their prompt's prefill (`prefix_hits_per_round`).
+"ratio_same_kernels" runs HF on the engine's model in the engine's process (same kernels):
+what continuous batching and the prompt cache give alone.
 
     python benchmarks/engine_throughput.py --json [--model smollm2] [--repeat N]
 prints one JSON line {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio", ...}, and
@@ -87,8 +89,10 @@ def run_hf_generate(model, work, batch_size: int) -> tuple[float, int, int]:
 _stock = None  # the child process's HF model
 
 
-def _stock_init(hf_config, path, threads: int) -> None:
+def _stock_init(hf_config, path, threads: int, allocator: str) -> None:
     global _stock
+    if allocator == "reuse":  # the same setting as the engine's process
+        reuse_freed_memory()
     torch.set_num_threads(threads)
     _stock = build_causal_lm(hf_config, path)
     _stock.requires_grad_(False)
@@ -109,7 +113,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="samples per prompt (RL group)")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--allocator", choices=("reuse", "system"), default="reuse",
-                        help="the engine process's cluster.cpu_allocator")
+                        help="glibc allocator setting of both sides' processes")
     parser.add_argument("--repeat", type=int, default=None,
                         help="interleaved rounds, median of each side (default 3 tiny, 1 smollm2)")
     args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
@@ -131,9 +135,9 @@ def main() -> None:
     work = make_workload(args.requests, args.seed, vocab, args.max_len, args.group)
     # HF generate as a user runs it: its own stock copy of the same weights (the engine's
     # model runs its linear layers through oneDNN, rl_async/engine/cpu_linear.py), in a
-    # process of its own with glibc's default allocator.
+    # process of its own with the same allocator setting.
     stock = multiprocessing.get_context("spawn").Pool(
-        1, _stock_init, (model.get("hf_config"), model.get("path"), args.threads))
+        1, _stock_init, (model.get("hf_config"), model.get("path"), args.threads, args.allocator))
     warm = work[: args.batch // 2]
     asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
     stock.apply(_stock_run, ([(p, 4) for p, _ in warm], args.batch))
@@ -147,8 +151,13 @@ def main() -> None:
 
     # --repeat interleaved rounds, the median time of each side (a 1-second tiny run is noise)
     rounds: dict[str, list[float]] = {"emb": [], "hf": [], "same": [], "inv": []}
+    hits_per_round = []
     for _ in range(args.repeat):
+        for e in (engine, invariant):  # a cold prompt cache, as after every weight load
+            asyncio.run(e.flush_cache())
+        hits = engine.stats["prefix_hits"]
         seconds, emb_tokens = asyncio.run(run_embedded(engine, work))
+        hits_per_round.append(engine.stats["prefix_hits"] - hits)
         rounds["emb"].append(seconds)
         seconds, hf_tokens, hf_computed = stock.apply(_stock_run, (work, args.batch))
         rounds["hf"].append(seconds)
@@ -169,7 +178,8 @@ def main() -> None:
         "hf_same_kernels_seconds": round(same_s, 2),
         "onednn_linear": engine.stats["onednn_linear"],
         "engine_allocator": allocator,
-        "prefix_hits": engine.stats["prefix_hits"],
+        # siblings admitted after their prompt's prefill, per round (the cache starts empty)
+        "prefix_hits_per_round": hits_per_round,
         "batch_invariant_tokens_per_s": round(inv_tokens / inv_s, 1),
         # throughput kept by run.deterministic, and its standing against HF generate
         "batch_invariant_fraction": round((inv_tokens / inv_s) / (emb_tokens / emb_s), 3),

@@ -16,8 +16,8 @@
     python benchmarks/simulate_vs_real.py --json [--calibration SUMMARY] [--max-steps N]
                                          [--keep DIR [--reuse]]
 
-prints one JSON line {"calibrated_on", "cases": [{"name", "real", "simulated", "vs_target"},
-...]}. `--calibration` reuses a summary instead of the first real run; `--keep DIR --reuse`
+prints one JSON line {"calibrated_on", "within_target": {"in_sample", "out_of_sample"},
+"cases": [{"name", "in_sample", "real", "simulated", "vs_target"}, ...]}. `--calibration` reuses a summary instead of the first real run; `--keep DIR --reuse`
 compares the simulator with real runs kept from an earlier invocation. Each real run takes
 about half a minute on 2 cores; the simulations take seconds.
 """
@@ -157,10 +157,22 @@ def main() -> None:
             real = from_summary(json.loads(Path(cal_path).read_text())
                                 if (path, overrides) == CALIBRATE_ON else
                                 real_run(path, overrides, args.max_steps, out_dir, args.reuse))
-            cases.append({"name": name, "real": real, "simulated": sim,
+            cases.append({"name": name, "in_sample": (path, overrides) == CALIBRATE_ON,
+                          "real": real, "simulated": sim,
                           "vs_target": compare(real, sim, band)})
     print(json.dumps({"calibrated_on": " ".join(CALIBRATE_ON[0:1]), "max_steps": args.max_steps,
-                      "cases": cases}))
+                      "within_target": within_counts(cases), "cases": cases}))
+
+
+def within_counts(cases: list[dict]) -> dict[str, str]:
+    """Comparisons within target, the calibration run itself (in sample: it predicts what
+    it was fitted on) apart from the configs the simulator had not seen (out of sample)."""
+    out = {}
+    for label, flag in (("in_sample", True), ("out_of_sample", False)):
+        checks = [v["within"] for c in cases if c["in_sample"] is flag
+                  for v in c["vs_target"].values()]
+        out[label] = f"{sum(checks)}/{len(checks)}"
+    return out
 
 
 if __name__ == "__main__":

@@ -236,6 +236,7 @@ class Controller:
         p.staleness_groups += len(ages)
         p.trainer_wait_seconds += wait
         p.useful_tokens += tokens
+        p.trained_samples += sum(len(g.samples) for g in groups)
         elapsed = max(1e-9, clock.now() - self._start)
         return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
@@ -375,6 +376,7 @@ class Controller:
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
                           "max_weight_staleness": self.plan.max_weight_staleness},
             "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
+                           "trained_samples": p.trained_samples,
                            "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
             "threads": self.threads.summary() if self.threads is not None else None,
             "calibration": self.calibration.to_dict(

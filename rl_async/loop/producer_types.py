@@ -63,11 +63,14 @@ class ProducerStats:
     extra: dict = field(default_factory=dict)
 
     def rollout_summary(self) -> dict[str, float]:
-        """The summary's `rollout` (multi-turn runs; zeros otherwise): assistant turns per
-        trajectory, the share truncated by max_turns or the token budget, and seconds inside
-        the environment per trajectory."""
+        """The summary's `rollout`: samples generated to the end and scored (the work done,
+        whatever became of it: trained, filtered, discarded) and aborted ones; for multi-turn
+        runs (zeros otherwise) assistant turns per trajectory, the share truncated by
+        max_turns or the token budget, and seconds inside the environment per trajectory."""
         n = max(1, self.trajectories)
-        return {"trajectories": self.trajectories, "turns_mean": self.turns / n,
+        return {"generated_samples": self.scored_samples,
+                "aborted_samples": self.aborted_samples,
+                "trajectories": self.trajectories, "turns_mean": self.turns / n,
                 "truncated_fraction": self.truncated_trajectories / n,
                 "env_seconds_mean": self.env_seconds / n}
 

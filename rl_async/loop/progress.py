@@ -22,6 +22,7 @@ class Progress:
     eval_first: dict = field(default_factory=dict)
     eval_last: dict = field(default_factory=dict)
     useful_tokens: int = 0
+    trained_samples: int = 0  # samples in the collections the trainer took
     max_staleness: int = 0
     staleness_sum: int = 0
     staleness_groups: int = 0

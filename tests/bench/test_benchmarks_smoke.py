@@ -5,6 +5,7 @@ someone needs its numbers (benchmarks/weight_publication.py crashed on main for 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +27,28 @@ KEYS = {
     "vs_trl.py": {"target_reward", "sides", "speedup"},
 }
 
+# benchmark -> figures that must be finite and > 0 even at smoke sizes ("a.*.b": every entry
+# of a dict): a benchmark that prints 0 or NaN where it measured something is broken.
+POSITIVE = {
+    "engine_throughput.py": ["ratio", "embedded_tokens_per_s", "hf_generate_tokens_per_s"],
+    "weight_publication.py": ["ratio", "publication_seconds", "raw_broadcast_seconds", "bytes"],
+    "orchestration.py": ["samples_per_s", "raw_calls_per_s"],
+    "async_vs_sync.py": ["speedup", "sync_seconds", "async_seconds"],
+    "time_to_reward.py": ["modes.*.median_loop_s"],
+    "vs_trl.py": ["sides.*.seconds_per_update_median", "sides.*.generated_samples_per_update",
+                  "sides.*.trained_samples_per_update"],
+    "buffer_ops.py": ["us_per_group.*"],
+}
+
 pytestmark = pytest.mark.ray
+
+
+def values_at(line, path: str):
+    """The values at a dotted path, "*" standing for every value of a dict; lists flattened."""
+    nodes = [line]
+    for part in path.split("."):
+        nodes = [v for n in nodes for v in (n.values() if part == "*" else [n[part]])]
+    return [x for n in nodes for x in (n if isinstance(n, list) else [n])]
 
 
 @pytest.mark.parametrize("script", sorted(KEYS))
@@ -37,3 +59,7 @@ def test_benchmark_smoke_prints_its_json_line(script, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     line = json.loads(done.stdout.strip().splitlines()[-1])
     assert KEYS[script] <= set(line), (sorted(line), done.stdout[-2000:])
+    for path in POSITIVE.get(script, []):
+        for value in values_at(line, path):
+            assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, \
+                (script, path, value)
