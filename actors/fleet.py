@@ -8,7 +8,7 @@ group, and publishes version 0 so every engine provably starts from the trainer'
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -69,6 +69,8 @@ class Resume:
     step: int
     version: int
     ledger: dict
+    config: dict = field(default_factory=dict)  # the config the checkpoint was written with
+    prompt_stream: str | None = None  # its training prompt list's digest (None: older)
 
 
 def metrics_rank(reporters: list[bool]) -> int:
@@ -150,6 +152,12 @@ class RayFleet(FleetPublication):
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
                                   max_concurrency=1)
+        self.prompt_stream = await self.source.stream_digest.remote()
+        if self.resume is not None:  # before engines load: a changed stream cannot resume
+            why = ckpts.stream_change(self.resume.config, cfg.to_dict(),
+                                      self.resume.prompt_stream, self.prompt_stream)
+            if why:
+                raise ckpts.ResumeError(f"cannot resume {self.resume.path}: {why}")
         if cfg.judge.enabled:  # the reward actor grades through it, so it comes first
             await self._start_judge()
         # Built-in verifiers score inside the producer (rl_async.algo.scoring): no actor.
@@ -312,7 +320,8 @@ class RayFleet(FleetPublication):
                                for t in self.trainers))
         await self.export(str(staged / "hf"))
         final = ckpts.finalize(self.run_dir, step, {
-            "policy_version": version, "ledger": ledger, "config": self.cfg.to_dict()},
+            "policy_version": version, "ledger": ledger, "config": self.cfg.to_dict(),
+            "prompt_stream": self.prompt_stream},
             self.cfg.run.keep_checkpoints)
         return str(final)
 

@@ -12,7 +12,8 @@ import ray
 from rl_async.plan.config import RunConfig
 from rl_async.loop.ledger import PromptLedger
 from rl_async.loop.monitor import CpuMeter
-from rl_async.algo.tasks import PromptSource, build_prompts, load_tokenizer, model_vocab_size
+from rl_async.algo.tasks import (PromptSource, build_prompts, load_tokenizer, model_vocab_size,
+                                 stream_digest)
 from rl_async.base.types import Group
 
 
@@ -30,6 +31,7 @@ class PromptSourceActor:
         self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok, seed), seed)
         self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok, seed)[
             : cfg.task.num_eval_prompts]
+        self.digest = stream_digest(self.source.prompts)  # checkpoints keep it (resume)
         self.meter = CpuMeter()
         n = cfg.rollout.n_samples_per_prompt
         self.ledger = PromptLedger(lambda cursor: self.source.group(cursor, n),
@@ -44,6 +46,9 @@ class PromptSourceActor:
     def next_groups(self, n: int) -> list[Group]:
         """`n` groups in one call (the producer opens several at once)."""
         return [self.next_group() for _ in range(n)]
+
+    def stream_digest(self) -> str:
+        return self.digest
 
     def get_eval_prompts(self):
         return self.eval_prompts

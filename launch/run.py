@@ -106,7 +106,8 @@ def resolve_resume(cfg: RunConfig, resume: str | None):
           f"{meta['policy_version']})", flush=True)
     cfg = ckpts.keep_schedule_horizon(meta["config"], cfg)
     return cfg, str(path.parent), Resume(str(path), int(meta["step"]),
-                                         int(meta["policy_version"]), meta["ledger"])
+                                         int(meta["policy_version"]), meta["ledger"],
+                                         meta["config"], meta.get("prompt_stream"))
 
 
 LATEST = "latest"  # `--resume` without a path

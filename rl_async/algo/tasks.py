@@ -278,20 +278,40 @@ def reasoning_gym_prompts(dataset: str, args: dict, num_eval: int, tokenizer, se
 
 def held_out_split(prompts: list[Prompt], n: int, where: str) -> tuple[list[Prompt], list[Prompt]]:
     """(training prompts, `n` held-out prompts): the held-out ones are the first `n` by a
-    hash of each row's id and tokens, the same in every run whatever the file's order (a
-    file sorted by difficulty still gives a mixed held-out set); training keeps the rest in
-    file order."""
+    hash of each row's content (its prompt, not its id or line), the same in every run
+    whatever the file's order (a file sorted by difficulty still gives a mixed held-out set);
+    training keeps the rest in file order, minus any row whose prompt equals a held-out one
+    (a duplicate would put the evaluated prompt into training)."""
     if n >= len(prompts):
         raise DatasetError(f"task.num_eval_prompts = {n} would hold out every row of "
                            f"task.path = {where!r} ({len(prompts)} rows) for evaluation: set "
                            f"task.eval_path, or lower task.num_eval_prompts")
-    def key(item: tuple[int, Prompt]) -> str:
-        text = f"{item[1].prompt_id}|{item[1].prompt_ids}"
-        return hashlib.sha256(text.encode()).hexdigest()
+    ranked = sorted(prompts, key=lambda p: hashlib.sha256(_content(p).encode()).hexdigest())
+    held = ranked[:n]
+    held_contents = {_content(p) for p in held}
+    return [p for p in prompts if _content(p) not in held_contents], held
 
-    held = set(i for i, _ in sorted(enumerate(prompts), key=key)[:n])
-    return ([p for i, p in enumerate(prompts) if i not in held],
-            [p for i, p in sorted(enumerate(prompts), key=key)[:n]])
+
+def _content(p: Prompt) -> str:
+    """What a row asks: its prompt tokens (an environment's row without its id), never where
+    it sits in the file."""
+    if p.prompt_ids:
+        return json.dumps(p.prompt_ids)
+    row = {k: v for k, v in p.metadata.get("row", {}).items() if k != "id"}
+    return json.dumps(row, sort_keys=True, default=str)
+
+
+def stream_digest(prompts: list[Prompt]) -> str:
+    """A digest of the training prompt list in order (ids, tokens and fields): the ledger's
+    cursors index this list, so a resume must find the same one (rl_async.state.checkpoints
+    refuses another, naming the keys that changed)."""
+    h = hashlib.sha256()
+    for p in prompts:
+        meta = {k: v for k, v in p.metadata.items() if k != "where"}
+        h.update(json.dumps([p.prompt_id, p.prompt_ids, meta], sort_keys=True,
+                            default=str).encode())
+        h.update(b"\n")
+    return f"{len(prompts)}:{h.hexdigest()[:32]}"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

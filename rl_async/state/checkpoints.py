@@ -38,6 +38,12 @@ BREAKING_KEYS = ("model.hf_config", "model.path", "rollout.n_samples_per_prompt"
                  "task.name", "task.path", "task.modulus", "task.prompt_digits", "run.seed")
 
 
+# Keys that shape the training prompt list besides the BREAKING ones: the held-out split and
+# the sources that build rows (reasoning-gym, verifiers, environments).
+STREAM_KEYS = ("task.eval_path", "task.num_eval_prompts", "task.dataset", "task.dataset_config",
+               "task.env", "task.env_args", "task.count_tokens")
+
+
 class ResumeError(RuntimeError):
     """No usable checkpoint, or a config change that the checkpoint cannot survive."""
 
@@ -150,6 +156,24 @@ def incompatible_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str
         keys = [k for k in keys if k not in ("task.modulus", "task.prompt_digits")]
     return [f"{k} = {_get(now, k)!r} but the checkpoint was written with {_get(saved, k)!r}"
             for k in keys if _get(saved, k) != _get(now, k)]
+
+
+def stream_change(saved_config: dict[str, Any], now_config: dict[str, Any],
+                  saved_digest: str | None, now_digest: str) -> str | None:
+    """Why a resume cannot continue the checkpoint's prompt stream, or None when the training
+    prompt list is the one the ledger's cursors were written against (`saved_digest`;
+    rl_async.algo.tasks.stream_digest). A checkpoint written before digests is not checked."""
+    if saved_digest is None or saved_digest == now_digest:
+        return None
+    changed = [f"{k} = {_get(now_config, k)!r} (the checkpoint has {_get(saved_config, k)!r})"
+               for k in (*BREAKING_KEYS, *STREAM_KEYS)
+               if _get(saved_config, k) != _get(now_config, k)]
+    cause = ("; ".join(changed) if changed else
+             "no key changed, so the data behind task.path / task.eval_path changed on disk")
+    return (f"the training prompt list differs from the checkpoint's (digest {now_digest} vs "
+            f"{saved_digest}): {cause}. The ledger's cursors index that list, so some prompts "
+            f"would train twice and others never (held-out rows could move into training); "
+            f"restore the setting or the files, or start a new run without --resume")
 
 
 def trim_trained_log(run_dir: str | os.PathLike, step: int) -> None:

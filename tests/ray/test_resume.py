@@ -127,3 +127,26 @@ def test_resume_refuses_a_breaking_config_change_and_a_missing_checkpoint(tmp_pa
                           env=env(), capture_output=True, text=True)
     assert proc.returncode == 2
     assert "rollout.n_samples_per_prompt = 8 but the checkpoint was written with 4" in proc.stderr
+
+
+def test_resume_refuses_a_changed_prompt_stream(tmp_path):
+    """The held-out split shapes the training list the ledger's cursors index: resuming with
+    another task.num_eval_prompts would train some prompts twice and move held-out rows into
+    training. The run refuses, naming the key, before any engine loads."""
+    rows = tmp_path / "digits.jsonl"  # digit prompts: no tokenizer needed
+    rows.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"{i % 10}{i // 10 % 10}{i % 7}",
+                                        "answer": str((i + 1) % 10)}) + "\n" for i in range(40)))
+    task = ["--set", "task.name=jsonl", "--set", f"task.path={rows}",
+            "--set", "reward.function=rl_async.algo.tasks:exact_match_reward",
+            "--set", "run.max_steps=2"]
+    first = subprocess.run(cli(tmp_path, *task), env=env(), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    same = subprocess.run(cli(tmp_path, *task, "--set", "run.max_steps=3", "--resume"),
+                          env=env(), capture_output=True, text=True)
+    assert same.returncode == 0, same.stderr[-3000:]
+    changed = subprocess.run(cli(tmp_path, *task, "--set", "run.max_steps=4",
+                                 "--set", "task.num_eval_prompts=6", "--resume"),
+                             env=env(), capture_output=True, text=True)
+    assert changed.returncode != 0
+    assert "training prompt list differs" in changed.stderr, changed.stderr[-3000:]
+    assert "task.num_eval_prompts = 6 (the checkpoint has 8)" in changed.stderr

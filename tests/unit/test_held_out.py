@@ -14,7 +14,7 @@ from rl_async.algo.tasks import DatasetError, build_prompts
 
 def task(tmp_path, rows, n, eval_path=None):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": [1, 2 + i % 5],
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt_ids": [1, 2 + i % 60],
                                         "answer": str(i)}) + "\n" for i in rows))
     return types.SimpleNamespace(name="jsonl", path=str(path), eval_path=eval_path,
                                  num_eval_prompts=n)
@@ -29,6 +29,30 @@ def test_eval_rows_are_removed_from_training_and_chosen_by_content(tmp_path):
     assert [p.prompt_id for p in held] != [f"r{i}" for i in range(8)]  # not the first rows
     again = task(tmp_path, reversed(range(40)), 8)  # the same rows, another order
     assert {p.prompt_id for p in build_prompts(again, 64, "eval")} == {p.prompt_id for p in held}
+
+
+def test_rows_without_ids_split_the_same_whatever_the_file_order(tmp_path):
+    """Id-less rows are named by file and line: the split hashes what a row asks, so another
+    order of the same rows holds out the same prompts."""
+    def split(order):
+        path = tmp_path / "rows.jsonl"
+        path.write_text("".join(json.dumps({"prompt_ids": [1, 2 + i]}) + "\n" for i in order))
+        cfg = types.SimpleNamespace(name="jsonl", path=str(path), eval_path=None,
+                                    num_eval_prompts=6)
+        return {tuple(p.prompt_ids) for p in build_prompts(cfg, 64, "eval")}
+
+    assert split(range(30)) == split(reversed(range(30)))
+
+
+def test_a_duplicate_of_a_held_out_prompt_never_trains(tmp_path):
+    rows = [{"id": f"r{i}", "prompt_ids": [1, 2 + i]} for i in range(20)]
+    rows += [{"id": f"dup{i}", "prompt_ids": [1, 2 + i]} for i in range(20)]  # twins, new ids
+    path = tmp_path / "dups.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = types.SimpleNamespace(name="jsonl", path=str(path), eval_path=None, num_eval_prompts=5)
+    held = {tuple(p.prompt_ids) for p in build_prompts(cfg, 64, "eval")}
+    train = {tuple(p.prompt_ids) for p in build_prompts(cfg, 64, "train")}
+    assert held and not held & train
 
 
 def test_holding_out_every_row_is_an_error_naming_the_keys(tmp_path):
