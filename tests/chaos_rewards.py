@@ -12,3 +12,19 @@ def goes_down(sample) -> float:
     if CALLS["n"] > FAIL_AFTER:
         raise ConnectionError("judge service unavailable: connection refused (chaos)")
     return successor_reward(sample)
+
+
+def hangs(sample) -> float:
+    """A grader stuck on one answer (sympy on a pathological expression): 4 s, far past the
+    tests' reward.timeout_s (finite, so a thread left running by the thread path ends)."""
+    import time
+
+    time.sleep(4.0)
+    return 0.0
+
+
+def dies(sample) -> float:
+    """A grader that crashes its process (a segfault in native code)."""
+    import os
+
+    os._exit(3)

@@ -2,9 +2,15 @@
 
 A reward function takes a `Sample` and returns a float (or an awaitable of one). Loading is
 by `module:function` so a run file can name user code. A function that raises, times out
-or returns a non-number is retried `max_retries` times (exponential backoff with jitter), then `RewardError` names the
-function, the prompt and the last cause; the producer marks that group failed with the
-error (it is never dropped silently).
+or returns a non-number is retried `max_retries` times (exponential backoff with jitter), then
+`RewardError` names the function, the prompt and the last cause; the producer marks that group
+failed with the error (it is never dropped silently).
+
+Where a call runs decides what a timeout can stop: an async function is cancelled on its
+event loop; a sync one runs in a worker process that the timeout kills
+(`reward.isolation = "process"`, rl_async.algo.reward_pool), or in a worker thread
+(`"thread"`: for functions that must share the process's state; the timeout then stops only
+the wait, and the thread runs on).
 """
 
 from __future__ import annotations
@@ -66,8 +72,9 @@ class RewardRunner:
     """Runs one reward function with a timeout and bounded retries, under a concurrency cap."""
 
     def __init__(self, fn: Callable[..., Any], name: str, timeout_s: float, max_retries: int,
-                 concurrency: int):
+                 concurrency: int, pool=None):
         self.fn = fn
+        self.pool = pool  # a ProcessCallPool of `name` for a sync function, or None (thread)
         self.inline = is_inline_safe(fn)
         self.name = name
         self.timeout_s = timeout_s
@@ -82,6 +89,8 @@ class RewardRunner:
             value = self.fn(sample)
         elif inspect.iscoroutinefunction(self.fn):
             value = await asyncio.wait_for(self.fn(sample), self.timeout_s)
+        elif self.pool is not None:  # a worker process that a timeout kills
+            value = await self.pool.call(sample, self.timeout_s)
         else:
             # A sync function runs in a worker thread so a slow grader never blocks the loop.
             value = await asyncio.wait_for(asyncio.to_thread(self.fn, sample), self.timeout_s)
@@ -112,4 +121,5 @@ class RewardRunner:
 
     def metrics(self) -> dict[str, float]:
         return {"reward/calls": self.calls, "reward/retries": self.retries,
-                "reward/failures": self.failures}
+                "reward/failures": self.failures,
+                **(self.pool.metrics() if self.pool is not None else {})}

@@ -17,7 +17,9 @@ its timeout, retries and concurrency cap (`RewardRunner`). It runs in one of two
 from __future__ import annotations
 
 import asyncio
+import inspect
 
+from rl_async.algo.reward_pool import ProcessCallPool
 from rl_async.algo.rewards import RewardRunner, is_inline_safe, load_callable
 from rl_async.algo.tasks import default_reward_path, load_tokenizer
 from rl_async.base.types import Sample
@@ -50,8 +52,11 @@ class SampleScorer:
         when the model has one."""
         if runner is None:
             r, path = cfg.reward, reward_path(cfg)
-            runner = RewardRunner(load_callable(path), path, r.timeout_s, r.max_retries,
-                                  r.concurrency)
+            fn = load_callable(path)
+            pool = (ProcessCallPool(path, r.concurrency) if r.isolation == "process"
+                    and not is_inline_safe(fn) and not inspect.iscoroutinefunction(fn)
+                    else None)
+            runner = RewardRunner(fn, path, r.timeout_s, r.max_retries, r.concurrency, pool)
         return cls(runner, load_tokenizer(cfg.model))
 
     async def score(self, sample: Sample) -> float:

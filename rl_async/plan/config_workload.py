@@ -51,6 +51,11 @@ class RewardSection(Section):
     # block, judges), "producer" (inside the producer, no actor round trip), "auto": producer
     # for functions marked inline_safe (the built-in verifiers) unless a judge grades.
     placement: Literal["auto", "actor", "producer"] = "auto"
+    # Where a sync reward function runs (rl_async.algo.reward_pool): "process", a worker
+    # process that reward.timeout_s kills (retries cannot pile up stuck calls); "thread", in
+    # the process (for functions that keep state between calls; a timeout then abandons the
+    # thread, which runs on). Async functions run on the event loop either way.
+    isolation: Literal["process", "thread"] = "process"
 
 
 class EvalSection(Section):

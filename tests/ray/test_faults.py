@@ -137,8 +137,10 @@ def test_engine_deaths_past_the_budget_fail_the_run_within_60s(ray_cluster):
 
 
 def test_failing_rewards_stop_the_run_naming_the_cause(ray_cluster, tmp_path):
+    # goes_down counts its calls in a module global: one process for every call (thread)
     cfg, report = small("cluster_configs/local.toml", "reward.function=chaos_rewards:goes_down",
-                        "run.max_steps=1000", "reward.max_retries=1", name="t-ft-reward")
+                        "reward.isolation=thread", "run.max_steps=1000", "reward.max_retries=1",
+                        name="t-ft-reward")
     out = tmp_path / "summary.json"
     started = time.monotonic()
     assert run_training(cfg, report, str(out)) == 1
