@@ -1,4 +1,4 @@
-"""`rl-async plan | validate | run | simulate | prepare-model | export | replay | compare`.
+"""`rl-async plan | validate | config | run | simulate | prepare-model | export | replay | compare`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -207,6 +207,40 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
         sys.exit(run_training(cfg, report, summary_json, resume))
     except ResumeError as exc:
         _fail([str(exc)])
+
+
+@main.command(name="config")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of TOML.")
+@click.option("--reference", is_flag=True,
+              help="Print the reference of every key (markdown) instead of a file's values.")
+@click.option("--write", "write_page", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="With --reference: replace the generated block of this "
+                                 "page (docs/configuration.md) in place.")
+def config_cmd(file: str | None, overrides: tuple[str, ...], as_json: bool, reference: bool,
+               write_page: str | None) -> None:
+    """Print FILE's resolved configuration: every key with the value the run uses (profile
+    defaults and derived values filled in, --set applied), as a run file."""
+    if reference or write_page:
+        from rl_async.plan.reference import reference_markdown, write_reference
+
+        if write_page:
+            changed = write_reference(write_page)
+            click.echo(f"{write_page}: {'updated' if changed else 'already up to date'}")
+        else:
+            click.echo(reference_markdown())
+        return
+    if file is None:
+        raise click.UsageError("give a run FILE, or --reference")
+    from rl_async.plan.resolved import resolved_dict, resolved_toml
+
+    try:
+        cfg = load_config(file, overrides)
+    except ConfigError as exc:
+        _fail(exc.errors)
+    click.echo(json.dumps(resolved_dict(cfg), indent=2) if as_json
+               else resolved_toml(cfg, file).rstrip("\n"))
 
 
 @main.command(name="prepare-model")
