@@ -144,8 +144,10 @@ class TrainerWorker:
         """Host channel `name`'s rendezvous; the engine joins at the returned address."""
         return ray.util.get_node_ip_address(), self.sender.open_channel(name, timeout_s)
 
-    def join_channel(self, name: str, world_size: int) -> None:
-        self.sender.join_channel(name, world_size)
+    def join_channels(self, names: list[str], world_size: int) -> dict[str, str]:
+        """Join the channels at once, each on its own thread (one actor thread waits for all:
+        a CPU trainer's other thread may be training); {name: error} for those that failed."""
+        return self.sender.join_channels(names, world_size)
 
     def close_channels(self, names: list[str]) -> None:
         for name in names:
@@ -166,11 +168,11 @@ class TrainerWorker:
         return self.sender.stage(named, resolve_dtype(self.cfg.model.dtype), bucket_bytes,
                                  flat, checksum=self.cfg.publication.verify_checksum)
 
-    def send_publication(self, names: list[str], which: str,
-                         timeout_s: float) -> tuple[int, dict[str, str]]:
-        """The staged (or published) snapshot to each named channel; failed channels are
-        reported by name and destroyed."""
-        return self.sender.send(names, which, timeout_s)
+    def send_publication(self, names: list[str], which: str, timeout_s: float,
+                         total_s: float | None = None) -> tuple[int, dict[str, str]]:
+        """The staged (or published) snapshot to each named channel, each at its own pace;
+        failed channels are reported by name and destroyed (a trainer-side failure raises)."""
+        return self.sender.send(names, which, timeout_s, total_s)
 
     def commit_publication(self) -> None:
         self.sender.commit()

@@ -16,6 +16,7 @@ from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.memory import MemoryPlan, plan_memory
+from rl_async.plan.publication_budget import publication_errors
 from rl_async.plan.schedule import publication_lag_errors
 
 
@@ -346,22 +347,6 @@ def step_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
             if value and value % k]
 
 
-def publication_errors(cfg: RunConfig) -> list[str]:
-    """The publication deadline must leave room for its own stages: up to drain_timeout_s
-    for in-flight requests and as long again for the aborted ones, then one channel
-    deadline to form a replacement's channel and one for a bucket stuck on an engine that
-    hangs (that engine is then dropped, the others go on), then the transfer itself."""
-    p = cfg.publication
-    need = 2 * p.drain_timeout_s + 2 * p.channel_timeout_s
-    if p.timeout_s <= need:
-        return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
-                f"publication.drain_timeout_s + 2 x publication.channel_timeout_s = "
-                f"{2 * p.drain_timeout_s:g} + {2 * p.channel_timeout_s:g} = {need:g} (drain, "
-                f"abort and drain again, form a replacement's channel, outwait one hung "
-                f"engine, then transfer); raise publication.timeout_s or lower the others"]
-    return []
-
-
 def architecture_errors(cfg: RunConfig) -> list[str]:
     """model.architecture must describe the checkpoint it stands in for, where it is readable."""
     m = cfg.model
@@ -377,7 +362,8 @@ def architecture_errors(cfg: RunConfig) -> list[str]:
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-              + trainer_layout_errors(cfg, plan) + publication_errors(cfg) + step_errors(cfg, plan)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg, plan)
+              + step_errors(cfg, plan)
               + publication_lag_errors(cfg, plan) + architecture_errors(cfg))
     memory, note, mem_warnings, mem_errors = (None, "", [], [])
     if not errors:  # a plan of an invalid layout would only add noise

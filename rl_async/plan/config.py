@@ -263,6 +263,10 @@ class PublicationSection(Section):
     # Each engine's channel: joining it, and each bucket on it, must finish within this;
     # past it that engine is lost (restarted) and the others' transfers go on.
     channel_timeout_s: PositiveFloat = 60.0
+    # Trainer rank 0's sending bandwidth, for validate's deadline arithmetic only (rank 0
+    # sends the model once per engine): 2 GB/s is TCP between nodes; InfiniBand gives 10+.
+    # A past run's figure: publish/bytes x engines / publish/transfer_seconds.
+    bytes_per_s: PositiveFloat = 2e9
     # Publish once the trainer is this many optimizer updates past the engines' version
     # (1: after every collection). Each publication drains the engines (refresh.mode = off),
     # so an async run whose lag leaves room may publish less often; evaluations and the end
