@@ -70,8 +70,8 @@ class ProducerActor:
             generate=self._generate,
             score=self.score_batcher.submit if self.scorer is None else self.scorer.score,
             put=self.put_batcher.submit,
-            on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
-                ref_of(g), "aborted by publication or shutdown"),
+            on_aborted=lambda g, why="aborted by publication or shutdown": self._call(
+                source, "prompt source", "mark_aborted")(ref_of(g), why),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
             group_errors=(EngineError, RewardError, EnvironmentFailure),

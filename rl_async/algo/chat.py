@@ -69,18 +69,17 @@ def digit_tokenizer():
     return tok
 
 
-def apply_chat_settings(tokenizer, task_cfg) -> Any:
+def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) -> Any:
     """`task.chat_template` (a Jinja file replacing the tokenizer's template) and
     `task.chat_template_kwargs` (passed to every rendering, e.g. enable_thinking) applied to
     the tokenizer, which carries them wherever it renders (prompts, environment turns)."""
-    path = getattr(task_cfg, "chat_template", None)
-    if path is not None:
-        file = Path(path).expanduser()
+    if template is not None:
+        file = Path(template).expanduser()
         if not file.is_file():
-            raise ValueError(f"task.chat_template = {path!r}: file not found (a Jinja chat "
+            raise ValueError(f"task.chat_template = {template!r}: file not found (a Jinja chat "
                              f"template, e.g. one saved from the model's tokenizer_config.json)")
         tokenizer.chat_template = file.read_text()
-    tokenizer.rl_async_template_kwargs = dict(getattr(task_cfg, "chat_template_kwargs", {}) or {})
+    tokenizer.rl_async_template_kwargs = dict(kwargs or {})
     return tokenizer
 
 

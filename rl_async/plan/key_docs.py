@@ -302,8 +302,20 @@ KEYS: dict[str, Doc] = {
                     "(verifiers)", rule="imported by validate"),
     "task.env_args": Doc("keyword arguments of the environment factory", "table",
                          "UNUSED_KEY without an environment"),
-    "task.env_timeout_s": Doc("deadline of each environment call (a gateway environment's "
-                              "whole rollout)", "s", "UNUSED_KEY without an environment"),
+    "task.env_timeout_s": Doc("deadline of each environment call (reset, step, score; an "
+                              "agent's time between its model calls); past it the call is "
+                              "cancelled and the group fails", "s",
+                              "UNUSED_KEY without an environment"),
+    "task.trajectory_timeout_s": Doc("wall-clock budget of a whole trajectory; once spent no "
+                                     "turn starts and it ends truncated; unset = none", "s",
+                                     "UNUSED_KEY without an environment"),
+    "task.gateway_max_body_mb": Doc("largest request body the agent gateway accepts", "MiB",
+                                    "UNUSED_KEY without an environment"),
+    "task.chat_template": Doc("a Jinja chat template file replacing the model's", "path",
+                              "validate probes it for stable multi-turn deltas"),
+    "task.chat_template_kwargs": Doc("keyword arguments of every chat rendering, e.g. "
+                                     "{ enable_thinking = false }", "table",
+                                     "validate probes it for stable multi-turn deltas"),
     "task.dataset": Doc("reasoning-gym dataset name", rule="checked against the library"),
     "task.dataset_config": Doc("reasoning-gym dataset config (size: entries generated)",
                                "table", "size must exceed num_eval_prompts"),

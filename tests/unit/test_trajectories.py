@@ -176,7 +176,8 @@ class Failing(Endless):
 
 
 class Blocking(Endless):
-    """A plain function that blocks (run in a worker thread) until the test releases it."""
+    """A plain function that blocks until the test releases it: a timeout could only abandon
+    it in a worker thread, running on, so it is refused and never called."""
 
     def __init__(self):
         self.release, self.returned = threading.Event(), False
@@ -187,10 +188,48 @@ class Blocking(Endless):
         return [], True
 
 
+class Hanging(Endless):
+    """An async step that hangs: the timeout must stop it, not leave it running."""
+
+    def __init__(self):
+        self.started = self.stopped = False
+
+    async def step(self, messages, state):
+        self.started = True
+        try:
+            await asyncio.sleep(60)
+        finally:
+            self.stopped = True
+        return [], True
+
+
+def test_a_timed_out_environment_call_is_stopped_and_sync_methods_are_refused(tmp_path):
+    env = Hanging()
+    renderer = ChatRenderer(digit_tokenizer(), (EOS,))
+    sample = Sample(prompt_id="x", metadata={"row": {}, "where": "rows.jsonl:4"})
+
+    async def main():
+        with pytest.raises(EnvironmentFailure, match="took more than task.env_timeout_s = "
+                                                     "0.2 s \\(the call was cancelled\\)"):
+            await TrajectoryRunner(env, renderer, TrajectoryLimits(2, None, 0.2)).run(
+                sample, ScriptedEngine([[4, EOS]] * 3, ["stop"] * 3))
+        # The call is stopped by the time the failure arrives: nothing runs on.
+        return env.started, env.stopped, len(asyncio.all_tasks())
+
+    assert asyncio.run(main()) == (True, True, 1)
+    f = tmp_path / "sync_env.py"
+    f.write_text("class E:\n    max_turns = 1\n    async def reset(self, row): ...\n"
+                 "    def step(self, m, s): ...\n    async def score(self, m, s): ...\n"
+                 "def make(): return E()\n")
+    with pytest.raises(EnvironmentLoadError, match="step is a plain function.*subprocess"):
+        load_environment(f"{f}:make")
+
+
 @pytest.mark.parametrize("env, cause", [
     (Failing("raise"), "environment step for row rows.jsonl:4 raised KeyError: \"tool 'calc'"),
     (Failing("hang"), "took more than task.env_timeout_s = 0.2 s"),
-    (Blocking(), "took more than task.env_timeout_s = 0.2 s"),
+    (Blocking(), "step for row rows.jsonl:4 is a plain function; environment methods must "
+                 "be `async def`"),
     (Failing("bad"), "returned 'not a tuple': expected (new_messages, done: bool)"),
 ])
 def test_an_environment_that_raises_hangs_or_breaks_the_protocol_is_named(env, cause):
@@ -202,9 +241,7 @@ def test_an_environment_that_raises_hangs_or_breaks_the_protocol_is_named(env, c
             await TrajectoryRunner(env, renderer, TrajectoryLimits(2, None, 0.2)).run(
                 sample, ScriptedEngine([[4, EOS]] * 3, ["stop"] * 3))
         except EnvironmentFailure as exc:
-            # The failure arrives while a blocking step is still blocked (its thread is
-            # left behind; the event loop is not).
-            assert not getattr(env, "returned", False)
+            assert not getattr(env, "returned", False)  # a blocking step never ran
             return str(exc)
         finally:
             if isinstance(env, Blocking):

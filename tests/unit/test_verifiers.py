@@ -10,7 +10,7 @@ import pytest
 from rl_async.algo.chat import ChatRenderer, digit_tokenizer
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.verifiers_env import make_agent, rows
-from rl_async.loop.agent import AgentRunner
+from rl_async.loop.agent_runner import AgentRunner
 from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits
 from rl_async.plan.checks import validate
