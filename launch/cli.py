@@ -95,7 +95,7 @@ def main() -> None:
               help="Add simulated consequences (trainer wait, discards) to the warnings, "
                    "re-simulating a few candidate sizings (see `rl-async simulate`).")
 @click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="With --simulate: timings measured by a real run (its --summary-json).")
+              help="With --simulate: timings measured by a real run (its <run dir>/summary.json).")
 def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
          calibrate: str | None) -> None:
     """Print the resolved capacity plan and its warnings."""
@@ -124,7 +124,7 @@ def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A real run's summary (rl-async run --summary-json): its measured timings "
+              help="A real run's summary (<run dir>/summary.json): its measured timings "
                    "replace the [synthetic] defaults.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--steps", type=click.IntRange(min=1), default=None,
@@ -184,7 +184,7 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
-              help="Write the run summary (steps, eval, ledger, throughput) here at the end.")
+              help="Also write the run summary here (it always goes to <run dir>/summary.json).")
 @click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None,
               metavar="[PATH]", help="Continue from the latest complete checkpoint of the "
               "newest run under <run.output_dir>/<run.name>, or from PATH (a checkpoint or a "
@@ -192,8 +192,11 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.option("--dry-run", is_flag=True,
               help="The file's whole actor system on CPUs with synthetic engines and trainers "
                    "(no GPUs, no model): see how limits, buffer and staleness behave.")
+@click.option("--dashboard", is_flag=True,
+              help="A local run (no RAY_ADDRESS): start Ray with its dashboard on 127.0.0.1 "
+                   "(the actors, their logs, the rl_async metrics).")
 def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
-        resume: str | None, dry_run: bool) -> None:
+        resume: str | None, dry_run: bool, dashboard: bool) -> None:
     """Run training: a local Ray cluster on 127.0.0.1, or the cluster in RAY_ADDRESS."""
     cfg, report = _load(file, overrides)
     if not report.ok:
@@ -204,7 +207,7 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
     from rl_async.state.checkpoints import ResumeError
 
     try:
-        sys.exit(run_training(cfg, report, summary_json, resume))
+        sys.exit(run_training(cfg, report, summary_json, resume, dashboard))
     except ResumeError as exc:
         _fail([str(exc)])
 
