@@ -83,6 +83,22 @@ def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) ->
     return tokenizer
 
 
+def run_renderer(cfg) -> "ChatRenderer":
+    """The run's chat renderer: the checkpoint's tokenizer (or the built-in digit one for a
+    config-built model) with the task's chat settings, and the run's stop tokens."""
+    from rl_async.algo.tasks import load_tokenizer, stop_token_ids
+
+    template, kwargs = cfg.task.chat_template, cfg.task.chat_template_kwargs
+    if cfg.model.path is not None:
+        tokenizer = load_tokenizer(cfg.model, template, kwargs)
+    else:
+        tokenizer = apply_chat_settings(digit_tokenizer(), template, kwargs)
+    if tokenizer is None:
+        raise ValueError(f"task.name = {cfg.task.name!r} needs a tokenizer with a chat template; "
+                         f"model.path = {cfg.model.path!r} has no tokenizer files")
+    return ChatRenderer(tokenizer, stop_token_ids(cfg, tokenizer))
+
+
 def template_kwargs(tokenizer) -> dict:
     return dict(getattr(tokenizer, "rl_async_template_kwargs", {}) or {})
 

@@ -324,6 +324,16 @@ def load_tokenizer(model_cfg, chat_template: str | None = None,
     return tok
 
 
+def engine_prompt_limit(cfg) -> int | None:
+    """The longest input an engine must accept: rollout.max_prompt_len, or for a multi-turn
+    environment the whole trajectory so far (a later turn's request is every earlier token),
+    up to rollout.max_trajectory_tokens - 1."""
+    budget = cfg.rollout.max_trajectory_tokens
+    if cfg.task.name in ENV_TASKS and budget is not None:
+        return max(budget - 1, cfg.rollout.max_prompt_len or 0)
+    return cfg.rollout.max_prompt_len
+
+
 def _eos_ids(value) -> list[int]:
     if value is None:
         return []

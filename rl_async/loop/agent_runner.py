@@ -158,6 +158,10 @@ class AgentRunner:
                   where: str) -> TrajectoryResult:
         done = traj.sample
         if done.turns == 0:
+            if traj.finish == "timeout":
+                raise EnvironmentFailure(
+                    f"environment rollout for {where}: task.trajectory_timeout_s = "
+                    f"{self.limits.trajectory_timeout_s:g} s ran out before its first model call")
             if traj.finish == "max_tokens":
                 raise EnvironmentFailure(
                     f"environment rollout for {where}: its first prompt is "
@@ -166,10 +170,13 @@ class AgentRunner:
             raise EnvironmentFailure(f"environment rollout for {where} never called the model "
                                      f"through the gateway")
         reward = check_score(reward, f"{where} (rollout)")
-        # Copies: nothing that reaches the gateway after this can touch the trained sample.
-        sample.prompt_ids, sample.response_ids = list(done.prompt_ids), list(done.response_ids)
-        sample.behavior_logprobs = list(done.behavior_logprobs)
-        sample.token_versions, sample.loss_mask = list(done.token_versions), list(done.loss_mask)
+        # Copies, ending at the last sampled token: context no turn answered (a call still in
+        # flight when the rollout returned, or past a budget) is not part of the sample, and
+        # nothing that reaches the gateway after this can touch it.
+        n = max((i + 1 for i, m in enumerate(done.loss_mask) if m), default=0)
+        sample.prompt_ids, sample.response_ids = list(done.prompt_ids), done.response_ids[:n]
+        sample.behavior_logprobs = done.behavior_logprobs[:n]
+        sample.token_versions, sample.loss_mask = done.token_versions[:n], done.loss_mask[:n]
         sample.turns, sample.reward, sample.finish_reason = done.turns, reward, traj.finish
         # The environment's own time: the rollout's wall time less its waits on the model.
         env_seconds = max(0.0, seconds - traj.generate_seconds)

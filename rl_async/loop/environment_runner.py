@@ -6,30 +6,15 @@ task.chat_template_kwargs applied) and the rollout limits."""
 
 from __future__ import annotations
 
-from rl_async.algo.chat import ChatRenderer, apply_chat_settings, digit_tokenizer
+from rl_async.algo.chat import run_renderer
 from rl_async.algo.environments import is_agent, load_environment
-from rl_async.algo.tasks import load_tokenizer, stop_token_ids
 from rl_async.loop.agent_runner import AgentRunner
 from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits, TrajectoryRunner
 
 
-def chat_renderer(cfg) -> ChatRenderer:
-    """The run's chat renderer: the checkpoint's tokenizer (or the built-in digit one for a
-    config-built model) with the task's chat settings, and the run's stop tokens."""
-    template, kwargs = cfg.task.chat_template, cfg.task.chat_template_kwargs
-    if cfg.model.path is not None:
-        tokenizer = load_tokenizer(cfg.model, template, kwargs)
-    else:
-        tokenizer = apply_chat_settings(digit_tokenizer(), template, kwargs)
-    if tokenizer is None:
-        raise ValueError(f"task.name = {cfg.task.name!r} needs a tokenizer with a chat template; "
-                         f"model.path = {cfg.model.path!r} has no tokenizer files")
-    return ChatRenderer(tokenizer, stop_token_ids(cfg, tokenizer))
-
-
 def build_environment_runner(cfg) -> TrajectoryRunner | AgentRunner:
-    renderer = chat_renderer(cfg)
+    renderer = run_renderer(cfg)
     if cfg.task.name == "verifiers":
         from rl_async.algo.verifiers_env import make_agent
 

@@ -15,6 +15,7 @@ from rl_async.base.allocator import applies_to
 from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
+from rl_async.plan.environment_checks import template_report, trajectory_errors
 from rl_async.plan.memory import MemoryPlan, plan_memory
 from rl_async.plan.publication_budget import publication_errors
 from rl_async.plan.schedule import publication_lag_errors
@@ -251,6 +252,7 @@ _ONLY_FOR = (
     ("sglang.extra_args", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.ignore_eos", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.launch_module", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.python", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("rollout.max_trajectory_tokens", lambda c: c.task.name in ENV_TASKS,
      "a multi-turn environment's budget"),
     ("task.env_args", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
@@ -365,9 +367,12 @@ def validate(cfg: RunConfig) -> Report:
               + trainer_layout_errors(cfg, plan) + publication_errors(cfg, plan)
               + step_errors(cfg, plan)
               + publication_lag_errors(cfg, plan) + architecture_errors(cfg))
+    errors += trajectory_errors(cfg)
+    template_errors, template_warnings = template_report(cfg) if not errors else ([], [])
     memory, note, mem_warnings, mem_errors = (None, "", [], [])
     if not errors:  # a plan of an invalid layout would only add noise
         memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)
     return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + task_warnings(cfg)
-                  + unused_key_warnings(cfg) + storage_warnings(cfg)
-                  + mem_warnings, errors=errors + mem_errors, memory=memory, memory_note=note)
+                  + unused_key_warnings(cfg) + storage_warnings(cfg) + template_warnings
+                  + mem_warnings, errors=errors + template_errors + mem_errors, memory=memory,
+                  memory_note=note)

@@ -111,7 +111,7 @@ def inputs(cfg: RunConfig) -> MemoryInputs:
         tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
         transformer_impl=t.transformer_impl, recompute=t.recompute,
         micro_batch_size=t.micro_batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        prompt_tokens=_prompt_tokens(cfg), max_response_len=cfg.rollout.max_response_len,
+        prompt_tokens=_prompt_tokens(cfg), max_response_len=_response_tokens(cfg),
         half_precision=cfg.model.dtype in ("bfloat16", "float16"),
         bucket_bytes=cfg.publication.bucket_bytes)
 
@@ -149,6 +149,15 @@ def _prompt_tokens(cfg: RunConfig) -> int:
     if cfg.task.name == "successor":  # the built-in task: its digits and a separator
         return cfg.task.prompt_digits + 1
     return ASSUMED_PROMPT_TOKENS
+
+
+def _response_tokens(cfg: RunConfig) -> int:
+    """Tokens after the prompt in one sample: one turn, or a multi-turn environment's whole
+    trajectory (every turn and the environment's tokens between them)."""
+    budget = cfg.rollout.max_trajectory_tokens
+    if cfg.task.name in ("env", "verifiers") and budget is not None:
+        return max(cfg.rollout.max_response_len, budget - _prompt_tokens(cfg))
+    return cfg.rollout.max_response_len
 
 
 def _tokens_per_micro_batch(m: MemoryInputs) -> tuple[int, int]:
@@ -215,7 +224,7 @@ def engine_memory(cfg: RunConfig, dims: Dims, plan: CapacityPlan) -> dict[str, f
     pool = cfg.sglang.mem_fraction_static * gpu
     weights = dims.params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4) / tp
     kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * 2 / tp
-    seq = _prompt_tokens(cfg) + cfg.rollout.max_response_len
+    seq = _prompt_tokens(cfg) + _response_tokens(cfg)
     return {"static_pool": pool, "weights": float(weights), "kv_cache": max(pool - weights, 0.0),
             "kv_tokens": int(max(pool - weights, 0.0) // kv_per_token),
             "kv_tokens_for_all_running": plan.max_running_requests * seq,
