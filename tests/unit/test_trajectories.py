@@ -334,3 +334,64 @@ def test_sticky_routing_keeps_a_trajectory_on_its_engine_unless_it_is_lost():
     assert router.pick("g/0", 10) == other  # plain group affinity would have moved it
     router.set_healthy(first, False)
     assert router.pick("g/0", 10, sticky=True) == other  # lost: the trajectory moves
+
+
+def test_an_aborted_turn_costs_that_turn_not_the_group():
+    """An engine lost mid-episode (or a drain past its timeout) aborts one turn: the producer
+    sends the same tokens again (the router moves the trajectory to a live engine), the
+    aborted output is never trained and the group is not regenerated. Past the retries the
+    group is aborted with the cause."""
+    renderer = ChatRenderer(digit_tokenizer(), (EOS,))
+
+    class Two(Endless):
+        max_turns = 2
+
+        async def reset(self, row):
+            return [{"role": "user", "content": "1"}], {"turn": 0}
+
+        async def step(self, messages, state):
+            state["turn"] += 1
+            return [{"role": "user", "content": "2"}], state["turn"] == 2
+
+    def world(aborts: int):
+        inserted, aborted, requests = [], [], []
+
+        async def next_group():
+            return Group(f"g{len(inserted) + len(aborted)}",
+                         [Sample(prompt_id="p", metadata={"row": {}})])
+
+        async def generate(sample, key, max_new_tokens=None):
+            requests.append(list(sample.prompt_ids))
+            if 2 <= len(requests) <= 1 + aborts:
+                return GenerateOutput("r", [6], [-2.0], [4], "abort")  # turn 1 lost
+            return GenerateOutput("r", [4 + len(requests), EOS], [-1.0, -0.1], [3, 3], "stop")
+
+        async def put(group):
+            inserted.append(group)
+            return 8
+
+        async def on_aborted(group, reason="publication"):
+            aborted.append(reason)
+
+        async def main():
+            producer = Producer(ProducerLimits("group", 1, 1, 4), next_group=next_group,
+                                generate=generate, score=None, put=put,
+                                on_aborted=on_aborted, on_failed=None, trajectory=TrajectoryRunner(
+                                    Two(), renderer, TrajectoryLimits(2, None, 5.0)))
+            producer.set_target(1)
+            task = asyncio.create_task(producer.run())
+            while not (inserted or aborted):
+                await asyncio.sleep(0.01)
+            producer.stop()
+            await producer.wait_idle()
+            task.cancel()
+            return producer
+        return asyncio.run(main()), inserted, aborted, requests
+
+    producer, inserted, aborted, requests = world(aborts=1)
+    assert len(inserted) == 1 and not aborted and producer.stats.retried_turns == 1
+    assert requests[1] == requests[2]  # the same tokens sent again
+    s = inserted[0].samples[0]
+    assert 6 not in [t for t, m in zip(s.response_ids, s.loss_mask) if m]  # never trained
+    producer, inserted, aborted, requests = world(aborts=4)
+    assert aborted == ["an engine aborted a turn"]  # the ledger regenerates it, with why
