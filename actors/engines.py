@@ -63,7 +63,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         speculative_algorithm=s.speculative_algorithm,
         disaggregation_mode=s.disaggregation_mode, ignore_eos=s.ignore_eos,
-        launch_module=s.launch_module, server_args={**server_args, **s.extra_args},
+        launch_module=s.launch_module, python_executable=s.python,
+        server_args={**server_args, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 
 

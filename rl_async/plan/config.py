@@ -139,6 +139,10 @@ class SGLangSection(Section):
     # true: responses never stop at EOS or stop ids (SGLang skips both): fixed-length
     # benchmarks only, never rollouts.
     ignore_eos: bool = False
+    # The interpreter that runs the server (`<python> -m <launch_module>`): SGLang 0.5.23
+    # pins torch 2.14.1 and transformers 5.19.0, so give it a virtual env of its own, e.g.
+    # "/opt/sglang-venv/bin/python", on every engine node. "" = the run's own interpreter.
+    python: str = ""
     # The module run as `python -m <launch_module>` (a site's wrapper around SGLang's).
     launch_module: str = "sglang.launch_server"
     # Passed through to `sglang.launch_server` as --key value.
