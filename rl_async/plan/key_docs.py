@@ -157,6 +157,8 @@ KEYS: dict[str, Doc] = {
                                       rule="anything but 'null' is an error"),
     "sglang.ignore_eos": Doc("responses never stop at EOS or stop ids: fixed-length "
                              "benchmarks only", rule="IGNORE_EOS"),
+    "sglang.python": Doc("the interpreter that runs each server (SGLang's own virtual env: "
+                         "it pins its own torch); unset = the run's", "path", _SGL),
     "sglang.launch_module": Doc("the module run as `python -m` for each server (a site's "
                                 "wrapper)", rule=_SGL),
     "sglang.extra_args": Doc("passed to the server as --key value flags", "table", _SGL),
@@ -282,10 +284,15 @@ KEYS: dict[str, Doc] = {
     "publication.verify_checksum": Doc("check every engine holds exactly the sent weights "
                                        "(slow)", rule="embedded engines only"),
     "publication.timeout_s": Doc("deadline of one whole publication (snapshot to resume)",
-                                 "s", "> 2 x drain_timeout_s + 2 x channel_timeout_s"),
+                                 "s", "> 2 x drain_timeout_s + 2 x channel_timeout_s + the "
+                                 "transfer estimate"),
     "publication.channel_timeout_s": Doc("deadline of one engine channel's join and of each "
                                          "bucket; past it that engine is lost", "s",
                                          "timeout_s > 2 x drain + 2 x channel"),
+    "publication.bytes_per_s": Doc("trainer rank 0's sending bandwidth, for validate's "
+                                   "deadline arithmetic only", "bytes/s",
+                                   "timeout_s > 2 x drain + 2 x channel + engines x model "
+                                   "bytes / bytes_per_s"),
     "publication.every_updates": Doc("publish once the trainer is this many updates past the "
                                      "engines", "updates", "the engines' trail within "
                                      "max_weight_staleness; 1 in sync and lag-0 runs"),
