@@ -280,7 +280,7 @@ KEYS: dict[str, Doc] = {
                                        "weights before they are aborted", "s",
                                        "timeout_s > 2 x drain + 2 x channel"),
     "publication.bucket_bytes": Doc("bytes per transfer bucket", "bytes",
-                                    "memory plan: one bucket on trainer rank 0"),
+                                    "memory plan: two buckets on trainer rank 0"),
     "publication.verify_checksum": Doc("check every engine holds exactly the sent weights "
                                        "(slow)", rule="embedded engines only"),
     "publication.timeout_s": Doc("deadline of one whole publication (snapshot to resume)",

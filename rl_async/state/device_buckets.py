@@ -21,7 +21,8 @@ from typing import Iterator
 
 import torch
 
-DEVICE_SLOTS = 2  # the plan's `publication` memory term counts this many buckets
+# the memory plan's `publication` term counts this many buckets
+from rl_async.plan.memory import PUBLICATION_DEVICE_BUCKETS as DEVICE_SLOTS
 
 
 @dataclass
