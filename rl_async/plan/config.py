@@ -43,7 +43,7 @@ class RunSection(Section):
     # failure_window_groups groups failed (a few always-failing prompts never stop a run).
     max_failed_group_fraction: float = Field(0.5, gt=0, le=1)
     failure_window_groups: PositiveInt = 100
-    # Bit-reproducible runs where the hardware allows (README "Reproducibility"): embedded
+    # Bit-reproducible runs where the hardware allows (docs/reproducibility.md): embedded
     # engines decode batch-invariantly (one forward per request, so a request's tokens and
     # log-probs never depend on what shares its step). Sampling seeds, canonical collection
     # order and lag-0 = sync hold without it.
