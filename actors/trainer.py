@@ -7,7 +7,6 @@ it broadcasts the snapshot's buckets (gloo on CPU, NCCL on GPU; rl_async/state/s
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import ray
@@ -23,12 +22,6 @@ from rl_async.base.types import Group
 from rl_async.state.sender import PublicationSender
 from rl_async.train.determinism import configure as configure_determinism
 from rl_async.state.weights import weights_checksum
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
     """megatron-core trainer: each rank loads its TP/PP slices of the HF weights (a local
@@ -76,19 +69,27 @@ class TrainerWorker:
         self.allocator = apply_for(cfg, "trainer")
         self._threads = torch.get_num_threads()
         self.trainer = None
+        self._store = None  # rank 0: the trainers' rendezvous store (address())
         self._sender: PublicationSender | None = None  # rank 0, on first use
 
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        """Rank 0: host the trainers' rendezvous store (a port bound once and kept; the
+        other ranks join it in setup)."""
+        from rl_async.train.distributed import host_store
+
+        self._store = host_store()
+        return ray.util.get_node_ip_address(), self._store.port
 
     def setup(self, master_addr: str, master_port: int) -> int:
         megatron = self.cfg.train.backend == "megatron"
         if self.world > 1 or megatron:
-            from rl_async.train.distributed import init_distributed
+            from rl_async.train.distributed import init_distributed, trainer_backend
 
             if self.cfg.cluster.trainer_gpus:
                 torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves one GPU visible
-            init_distributed(master_addr, master_port, self.rank, self.world)
+            init_distributed(master_addr, master_port, self.rank, self.world,
+                             trainer_backend(self.cfg.cluster.trainer_gpus),
+                             store=self._store if self.rank == 0 else None)
         self.trainer = build_trainer(self.cfg, self.plan, self.rank, self.world)
         return os.getpid()
 
