@@ -1,4 +1,5 @@
-"""`rl-async plan | validate | config | run | simulate | prepare-model | export | replay | compare`.
+"""`rl-async plan | validate | config | run | simulate | doctor | prepare-model | export |
+replay | compare`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -272,6 +273,27 @@ def prepare_tokenizer_cmd(names: tuple[str, ...], force: bool) -> None:
 
     for name in names or sorted(KNOWN):
         click.echo(str(prepare_tokenizer(name, force=force)))
+
+
+@main.command(name="doctor")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--json", "as_json", is_flag=True, help="One JSON line instead of a table.")
+def doctor_cmd(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Can this machine start FILE's backends? Installed versions, pip check, visible GPUs
+    and what the run needs (launch/doctor.py); exits 2 on a blocker."""
+    from launch.doctor import doctor, print_rows
+
+    try:
+        cfg = load_config(file, overrides)
+    except ConfigError as exc:
+        _fail(exc.errors)
+    rows, blocked = doctor(cfg)
+    if as_json:
+        click.echo(json.dumps({"blocked": blocked, "rows": [vars(r) for r in rows]}))
+    else:
+        print_rows(rows)
+    sys.exit(2 if blocked else 0)
 
 
 @main.command(name="export")
