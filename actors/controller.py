@@ -69,6 +69,8 @@ class ControllerActor:
     async def _partial_summary(self) -> dict:
         """What a failed run can still account for (the ledger, if its actor is alive)."""
         out: dict = {"error": self.error}
+        if self.fleet is not None:  # the driver writes <run dir>/summary.json from it
+            out["run_dir"] = str(self.fleet.run_dir)
         if self.controller is not None:
             p = self.controller.progress
             out.update(steps=p.step, policy_version=self.controller.version,

@@ -13,6 +13,7 @@ import time
 import ray
 
 from rl_async.plan.config import RunConfig
+from rl_async.algo.tasks import engine_prompt_limit
 from rl_async.base.allocator import apply_for
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 from rl_async.loop.monitor import LoopMonitor
@@ -34,7 +35,7 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             max_total_tokens=cfg.engine.max_total_tokens,
             prefix_cache_tokens=cfg.engine.prefix_cache_tokens,
             onednn_linear=cfg.engine.onednn_linear,
-            max_prompt_len=cfg.rollout.max_prompt_len,
+            max_prompt_len=engine_prompt_limit(cfg),
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
             # a resumed run continues with fresh randomness, not the start's stream again
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
@@ -62,7 +63,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         speculative_algorithm=s.speculative_algorithm,
         disaggregation_mode=s.disaggregation_mode, ignore_eos=s.ignore_eos,
-        launch_module=s.launch_module, server_args={**server_args, **s.extra_args},
+        launch_module=s.launch_module, python_executable=s.python,
+        server_args={**server_args, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))
 
 

@@ -30,6 +30,7 @@ from rl_async.state.collective import OWN_PROCESS_NCCL_ENV
 from rl_async.train.determinism import CUBLAS_ENV
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
+from rl_async.plan.placement import trainer_groups
 from rl_async.loop.monitor import LoopMonitor, aggregate
 from rl_async.loop.publish import Publisher
 from rl_async.base.types import Group
@@ -39,14 +40,15 @@ CONTROL_CALL_TIMEOUT_S = 120  # control calls answer in milliseconds; this is a 
 ENGINE_SHUTDOWN_TIMEOUT_S = 60
 
 
-def _placement(bundles: list[dict], what: str, key: str):
-    pg = placement_group(bundles, strategy="PACK")
+def _placement(bundles: list[dict], what: str, key: str, strategy: str = "PACK"):
+    pg = placement_group(bundles, strategy=strategy)
     ready, _ = ray.wait([pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         remove_placement_group(pg)
+        on_one = " on one node (STRICT_PACK)" if strategy == "STRICT_PACK" else ""
         raise RuntimeError(
-            f"the cluster cannot place the {what}: {len(bundles)} bundles of {bundles[0]} not "
-            f"available after {PLACEMENT_TIMEOUT_S}s (cluster resources: "
+            f"the cluster cannot place the {what}: {len(bundles)} bundles of {bundles[0]}"
+            f"{on_one} not available after {PLACEMENT_TIMEOUT_S}s (cluster resources: "
             f"{ray.cluster_resources()}); lower {key} or add nodes")
     return pg
 
@@ -91,6 +93,7 @@ class RayFleet(FleetPublication):
         self.resume = resume
         self.prefix = cfg.run.name
         self.pgs: list = []
+        self.engine_pg = None
         self.actors: list = []
         self._producer_ref = None
         self.monitor = LoopMonitor()  # the controller actor's own event loop
@@ -128,7 +131,7 @@ class RayFleet(FleetPublication):
             cfg = cfg.model_copy(deep=True)
             cfg.engine.torch_threads = self.engine_threads
         return self._named(EngineActor, f"engine-{i}", cfg, i, self.version_hint,
-                           pg=self.pgs[0], bundle=i, num_cpus=c.engine_cpus,
+                           pg=self.engine_pg, bundle=i, num_cpus=c.engine_cpus,
                            num_gpus=c.gpus_per_engine if gpu else 0, **nccl_env(gpu))
 
     def _named(self, cls, name: str, *args, pg=None, bundle=0, **options):
@@ -144,11 +147,12 @@ class RayFleet(FleetPublication):
         cfg, plan, c = self.cfg, self.plan, self.cfg.cluster
         self.monitor.ensure_started()
         gpu = c.inference_gpus > 0
+        self.place_trainers()  # first: engines must not take the trainer groups' node
         engine_bundle = {"CPU": c.engine_cpus, **({"GPU": c.gpus_per_engine} if gpu else {})}
-        self.pgs.append(_placement([engine_bundle] * plan.engines, "engines",
-                                   "cluster.inference_gpus / cluster.cpu_engines"))
+        self.engine_pg = _placement([engine_bundle] * plan.engines, "engines",
+                                    "cluster.inference_gpus / cluster.cpu_engines")
+        self.pgs.append(self.engine_pg)
         self.engines = [self.start_engine(i) for i in range(plan.engines)]
-        self.place_trainers()
         # A sync actor: ledger transitions from one caller run in the order they were sent.
         self.source = self._named(PromptSourceActor, "prompt-source", cfg, num_cpus=0,
                                   max_concurrency=1)
@@ -192,13 +196,17 @@ class RayFleet(FleetPublication):
         cfg, c = self.cfg, self.cfg.cluster
         tgpu = c.trainer_gpus > 0
         trainer_bundle = {"CPU": c.trainer_cpus, **({"GPU": 1} if tgpu else {})}
-        self.pgs.append(_placement([trainer_bundle] * c.trainer_workers, "trainer workers",
-                                   "cluster.trainer_workers / cluster.trainer_gpus"))
+        where = {}  # rank -> (placement group, bundle): one group per TP group (placement.py)
+        for group in trainer_groups(cfg):
+            pg = _placement([trainer_bundle] * len(group.ranks), "trainer workers",
+                            "cluster.trainer_workers / cluster.trainer_gpus", group.strategy)
+            self.pgs.append(pg)
+            where.update({r: (pg, b) for b, r in enumerate(group.ranks)})
         trainer_cls = TrainerWorker
         if cfg.train.backend == "synthetic":  # dry runs: no torch, no GPUs
             from actors.synthetic import SyntheticTrainerWorker as trainer_cls
         self.trainers = [self._named(trainer_cls, f"trainer-{r}", cfg, self.plan, r,
-                                     c.trainer_workers, pg=self.pgs[-1], bundle=r,
+                                     c.trainer_workers, pg=where[r][0], bundle=where[r][1],
                                      num_cpus=c.trainer_cpus, num_gpus=1 if tgpu else 0,
                                      # CPU: two threads, so a publication's broadcast can
                                      # run while the next collection trains. GPU: one, so

@@ -7,21 +7,30 @@ travels in every call on both sides. Why not one group for the fleet: a collecti
 the fates of all its members. An engine that died inside a broadcast left the survivors
 waiting for bytes that would never come (gloo relays through them; NCCL's watchdog kills the
 sender), so every death cost a redo of the whole transfer after a timeout. With a channel
-each, a death breaks only its own channel: the others' buckets keep flowing, and the dead
-engine is `lost` (out of routing, restarted by the supervisor, caught up later).
+each, a death breaks only its own channel, and each channel moves through the buckets at
+its own pace (rl_async/state/sender.py): the others receive every bucket while a hung
+engine's channel waits out its deadline. The publication still ends only once every
+channel's outcome is known, so a hung engine delays the resume by up to its deadline; it is
+then `lost` (out of routing, restarted by the supervisor, caught up later).
 
     form channels   for live engines without one: trainer hosts the store (an ephemeral
-                    port bound once), the engine joins; a failure loses that engine
-    transfer        trainer: every bucket to every channel, each bucket with
-                    publication.channel_timeout_s per channel; engines: their buckets in
-                    order, the last one carries the version. Any engine-side failure (a
-                    dead actor, a dead SGLang server behind a live actor, a receive past
-                    its deadline) loses that engine; a trainer-side failure is fatal
+                    port bound once) and joins them all at once, each on its own thread; the
+                    engines join; a failure loses that engine
+    transfer        trainer: every bucket to every channel, each bucket within
+                    publication.channel_timeout_s and each engine's whole snapshot within
+                    its receive budget (rl_async/plan/publication_budget.py); engines: their
+                    buckets in order under the same deadlines, the last one carries the
+                    version. An engine-side failure (a dead actor, a dead SGLang server
+                    behind a live actor, a receive past its deadline) loses that engine; a
+                    trainer-side failure is fatal, and so is the same error from every
+                    engine at once (it is not theirs)
     commit          the sent snapshot becomes the published one (catch_up sends it)
 
 A channel is superseded only when its engine incarnation ends (lost, replaced): the trainer
 destroys its end then (an NCCL communicator holds GPU memory on trainer rank 0), and the
-engine's end goes with the engine's process.
+engine's end goes with the engine's process. An engine lost outside a publication (the
+thread balancer's call) closes its channel while a CPU trainer may be sending on the others:
+the sender allows that (its channel fails, the others go on).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from ray.exceptions import RayActorError
 
 from rl_async.loop.faults import quote
 from rl_async.loop.publish import BucketProgress
+from rl_async.plan.publication_budget import engine_receive_budget_s
 
 # After trainer rank 0 reports a channel broken, how long to wait for the engine's own
 # error (a dead actor's call fails at once; a dead server's receive may never return).
@@ -64,18 +74,21 @@ class FleetPublication:
         hosts = await asyncio.gather(*(trainer.open_channel.remote(names[i], timeout_s)
                                        for i in todo))
         joins = await asyncio.gather(
-            *(trainer.join_channel.remote(names[i], world) for i in todo),
+            trainer.join_channels.remote([names[i] for i in todo], world),
             *(self.engines[i].init_weights_update_group.remote(
                 addr, port, 1, world, names[i], backend, timeout_s)
               for i, (addr, port) in zip(todo, hosts)), return_exceptions=True)
+        if isinstance(joins[0], BaseException):
+            raise RuntimeError(f"trainer rank 0 could not join the publication channels of "
+                               f"engines {todo}: {_cause(joins[0])}")
         failed = {}
         for k, i in enumerate(todo):
-            trainer_side, engine_side = joins[k], joins[len(todo) + k]
+            engine_side, trainer_side = joins[1 + k], joins[0].get(names[i])
             if isinstance(engine_side, BaseException):  # it never joined: the trainer's
                 failed[i] = f"joining its publication channel: {_cause(engine_side)}"
-            elif isinstance(trainer_side, BaseException):  # side waited for it in vain
+            elif trainer_side is not None:  # side waited for it in vain
                 raise RuntimeError(f"trainer rank 0 could not join the publication channel "
-                                   f"of engine-{i}, which joined: {_cause(trainer_side)}")
+                                   f"of engine-{i}, which joined: {trainer_side}")
             else:
                 self.channels[i] = (names[i], self.incarnations.get(i, 0))
         if failed:
@@ -113,11 +126,18 @@ class FleetPublication:
             self.supervisor.spawn_restart(i, cause)
 
     async def _on_live_engines(self, call, what: str) -> None:
-        """`call(engine)` on every live engine; any failure loses that engine (a dead actor,
-        or a dead SGLang server behind a live one: both are engine-side)."""
+        """`call(engine)` on every live engine; a failure loses that engine (a dead actor,
+        or a dead SGLang server behind a live one: both are engine-side). The same error
+        type from every engine (two or more) is not theirs: it is raised, not blamed on
+        them, which would restart them all until engine.max_restarts is spent."""
         live = self.live_engines()
         results = await asyncio.gather(*(call(self.engines[i]) for i in live),
                                        return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == len(live) >= 2 and len({type(e) for e in errors}) == 1 \
+                and not isinstance(errors[0], (RayActorError, asyncio.TimeoutError)):
+            raise RuntimeError(f"{what} failed on every engine alike, which is not an engine "
+                               f"fault: {_cause(errors[0])}") from errors[0]
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
                 await self.lost(i, f"{what} failed: {_cause(r)}")
@@ -153,7 +173,17 @@ class FleetPublication:
         """Bring replacements in now when no engine can generate (every live engine is a
         replacement waiting for weights): the next publication needs a collection, the
         collection needs an engine. They get the last PUBLISHED snapshot at its version,
-        which the next stage() cannot overwrite (rl_async/state/sender.py)."""
+        which the next stage() cannot overwrite (rl_async/state/sender.py). Bounded by
+        publication.timeout_s like a publication: it holds members_lock."""
+        p = self.cfg.publication
+        try:
+            await asyncio.wait_for(self._catch_up(), p.timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"catching up replacement engines {sorted(self.pending_up)} "
+                               f"with the published weights did not finish within "
+                               f"publication.timeout_s = {p.timeout_s:g} s") from None
+
+    async def _catch_up(self) -> None:
         async with self.members_lock:
             serving = [i for i in self.live_engines() if i not in self.pending_up]
             if self.pending_up and not serving and self._published_metas:
@@ -173,6 +203,7 @@ class FleetPublication:
         holding = [i for i in live if i not in failed]
         if self.cfg.publication.verify_checksum:
             await self.verify_weights(holding, which)
+            holding = [i for i in holding if i not in self.down]
         for i in sorted(self.pending_up & set(holding)):
             await self.producer.engine_up.remote(i, self.engines[i])
             self.pending_up.discard(i)
@@ -186,11 +217,12 @@ class FleetPublication:
         if not live:
             return 0, {}
         timeout_s = self.cfg.publication.channel_timeout_s
+        total_s = engine_receive_budget_s(self.cfg.publication, len(metas))
         names = {i: self.channels[i][0] for i in live}
         flush = self.cfg.refresh.mode == "off"  # never flush while requests are retracted
         reached = [0]
 
-        async def receive(i: int) -> None:
+        async def buckets(i: int) -> None:
             for b, (bnames, dtypes, shapes, _n) in enumerate(metas):
                 if progress is not None and b >= reached[0]:
                     reached[0] = b + 1
@@ -200,10 +232,19 @@ class FleetPublication:
                     bnames, dtypes, shapes, names[i], version if last else None,
                     flush if last else False), timeout_s)
 
+        async def receive(i: int) -> None:
+            # The whole receive has the budget the trainer's side has, and a moment more:
+            # the trainer's verdict on a slow channel comes first.
+            try:
+                await asyncio.wait_for(buckets(i), total_s + ENGINE_ERROR_GRACE_S)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"its whole receive ({len(metas)} buckets) did not finish "
+                                   f"within its budget of {total_s:g} s") from None
+
         receivers = {i: asyncio.ensure_future(receive(i)) for i in live}
         try:
             sent, trainer_failed = await self.trainers[0].send_publication.remote(
-                list(names.values()), which, timeout_s)
+                list(names.values()), which, timeout_s, total_s)
         except BaseException:
             for task in receivers.values():
                 task.cancel()
@@ -215,7 +256,7 @@ class FleetPublication:
             for i in broken:
                 receivers[i].cancel()
         # The others got every byte; their calls finish (each bucket bounded by
-        # channel_timeout_s inside receive()).
+        # channel_timeout_s, the whole by the receive budget, inside receive()).
         await asyncio.wait(receivers.values())
         failed = {}
         for i, task in receivers.items():
@@ -234,17 +275,27 @@ class FleetPublication:
         return await self.send(version)
 
     async def verify_weights(self, members: list[int], which: str = "staged") -> None:
-        want = await self.trainers[0].snapshot_checksum.remote(which)
-        got = await asyncio.gather(*(self.engines[i].weights_checksum.remote() for i in members))
-        bad = [i for i, g in zip(members, got) if g != want]
+        """Every engine in `members` holds the snapshot (publication.verify_checksum); each
+        answers within publication.channel_timeout_s, or it is lost (a wedged engine must
+        not hold members_lock forever)."""
+        timeout_s = self.cfg.publication.channel_timeout_s
+        want = await self.bounded(self.trainers[0].snapshot_checksum.remote(which),
+                                  "trainer.snapshot_checksum")
+        got = await asyncio.gather(*(asyncio.wait_for(self.engines[i].weights_checksum.remote(),
+                                                      timeout_s) for i in members),
+                                   return_exceptions=True)
+        for i, g in zip(members, got):
+            if isinstance(g, BaseException):
+                await self.lost(i, f"its weights checksum: {_cause(g)}")
+        bad = [i for i, g in zip(members, got) if isinstance(g, str) and g != want]
         if bad:
             raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "
                                f"publication (checksum mismatch)")
 
 
 def _cause(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "no answer within publication.channel_timeout_s"
+    if isinstance(exc, asyncio.TimeoutError):  # builtin TimeoutError too (3.11)
+        return str(exc) or "no answer within publication.channel_timeout_s"
     if isinstance(exc, RayActorError):
         return f"the actor died: {quote(str(exc), 300)}"
     return f"{type(exc).__name__}: {quote(str(exc), 300)}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import uuid
 
 import ray
 from ray.exceptions import RayActorError
@@ -70,8 +71,8 @@ class ProducerActor:
             generate=self._generate,
             score=self.score_batcher.submit if self.scorer is None else self.scorer.score,
             put=self.put_batcher.submit,
-            on_aborted=lambda g: self._call(source, "prompt source", "mark_aborted")(
-                ref_of(g), "aborted by publication or shutdown"),
+            on_aborted=lambda g, why="aborted by publication or shutdown": self._call(
+                source, "prompt source", "mark_aborted")(ref_of(g), why),
             on_failed=lambda g, err: self._call(source, "prompt source", "mark_failed")(
                 ref_of(g), err),
             group_errors=(EngineError, RewardError, EnvironmentFailure),
@@ -90,6 +91,7 @@ class ProducerActor:
         self._failed = asyncio.Event()
         self._fail_message: str | None = None
         self.faults = {"retried_requests": 0, "last_transient_error": ""}
+        self._aborts: set[asyncio.Future] = set()  # engine aborts of cancelled turns
 
     def _call(self, handle, role: str, method: str):
         async def call(*args):
@@ -131,8 +133,16 @@ class ProducerActor:
         except NoHealthyEngine:  # went down since _engine_ready (or an eval request)
             await self._engine_ready()
             index = self.router.pick(group_id, cost, sticky)
+        # A trajectory's turn is named, so that a straggler (its rollout returned, or its
+        # client went away: the gateway cancels the call) frees its engine slot at once.
+        rid = uuid.uuid4().hex if sticky else None
+        request = (sample.prompt_ids, params) + ((rid,) if rid else ())
         try:
-            return await self.gen_batchers[index].submit((sample.prompt_ids, params))
+            return await self.gen_batchers[index].submit(request)
+        except asyncio.CancelledError:
+            if rid is not None:
+                self._abort_request(index, rid)
+            raise
         except ActorDied:  # the engine's stream broke: the actor died
             if not self.cfg.fault_tolerance:
                 raise
@@ -147,6 +157,14 @@ class ProducerActor:
         await asyncio.sleep(backoff_s(min(self.faults["retried_requests"], 6)))
         return GenerateOutput(request_id="", output_ids=[], output_logprobs=[],
                               token_versions=[], finish_reason="abort")
+
+    def _abort_request(self, index: int, request_id: str) -> None:
+        """Abort one engine request whose caller was cancelled (fire and forget: an engine
+        that died meanwhile is the supervisor's business, reported there)."""
+        task = asyncio.ensure_future(self.engines[index].abort.remote(request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved
 
     def _engine_stream(self, index: int):
         async def send(requests: list):

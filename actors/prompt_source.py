@@ -26,7 +26,8 @@ def ref_of(group: Group) -> Group:
 class PromptSourceActor:
     def __init__(self, cfg: RunConfig):
         vocab = model_vocab_size(cfg.model)
-        tok = load_tokenizer(cfg.model)  # text rows go through its chat template
+        # Text rows go through its chat template, with the task's chat settings.
+        tok = load_tokenizer(cfg.model, cfg.task.chat_template, cfg.task.chat_template_kwargs)
         seed = cfg.run.seed
         self.source = PromptSource(build_prompts(cfg.task, vocab, "train", tok, seed), seed)
         self.eval_prompts = build_prompts(cfg.task, vocab, "eval", tok, seed)[

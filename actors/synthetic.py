@@ -63,9 +63,10 @@ class SyntheticTrainerWorker:
     def open_channel(self, name: str, timeout_s: float) -> tuple[str, int]:
         return "127.0.0.1", 0
 
-    def join_channel(self, name: str, world_size: int) -> None:
-        time.sleep(self.trainer.transfer.group_init_s * self.scale)
-        self._channels.add(name)
+    def join_channels(self, names: list[str], world_size: int) -> dict[str, str]:
+        time.sleep(self.trainer.transfer.group_init_s * self.scale)  # concurrently, like the sender's
+        self._channels.update(names)
+        return {}
 
     def close_channels(self, names: list[str]) -> None:
         self._channels.difference_update(names)
@@ -77,8 +78,8 @@ class SyntheticTrainerWorker:
         self._metas = self.trainer.publication_metas(bucket_bytes)
         return self._metas if self.rank == 0 else []
 
-    def send_publication(self, names: list[str], which: str,
-                         timeout_s: float) -> tuple[int, dict[str, str]]:
+    def send_publication(self, names: list[str], which: str, timeout_s: float,
+                         total_s: float | None = None) -> tuple[int, dict[str, str]]:
         """Every bucket to every channel, concurrently: as long as one channel's transfer."""
         unknown = [n for n in names if n not in self._channels]
         if unknown:

@@ -7,7 +7,6 @@ it broadcasts the snapshot's buckets (gloo on CPU, NCCL on GPU; rl_async/state/s
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import ray
@@ -23,12 +22,6 @@ from rl_async.base.types import Group
 from rl_async.state.sender import PublicationSender
 from rl_async.train.determinism import configure as configure_determinism
 from rl_async.state.weights import weights_checksum
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
 
 def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
     """megatron-core trainer: each rank loads its TP/PP slices of the HF weights (a local
@@ -76,19 +69,27 @@ class TrainerWorker:
         self.allocator = apply_for(cfg, "trainer")
         self._threads = torch.get_num_threads()
         self.trainer = None
+        self._store = None  # rank 0: the trainers' rendezvous store (address())
         self._sender: PublicationSender | None = None  # rank 0, on first use
 
     def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+        """Rank 0: host the trainers' rendezvous store (a port bound once and kept; the
+        other ranks join it in setup)."""
+        from rl_async.train.distributed import host_store
+
+        self._store = host_store()
+        return ray.util.get_node_ip_address(), self._store.port
 
     def setup(self, master_addr: str, master_port: int) -> int:
         megatron = self.cfg.train.backend == "megatron"
         if self.world > 1 or megatron:
-            from rl_async.train.distributed import init_distributed
+            from rl_async.train.distributed import init_distributed, trainer_backend
 
             if self.cfg.cluster.trainer_gpus:
                 torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves one GPU visible
-            init_distributed(master_addr, master_port, self.rank, self.world)
+            init_distributed(master_addr, master_port, self.rank, self.world,
+                             trainer_backend(self.cfg.cluster.trainer_gpus),
+                             store=self._store if self.rank == 0 else None)
         self.trainer = build_trainer(self.cfg, self.plan, self.rank, self.world)
         return os.getpid()
 
@@ -144,8 +145,10 @@ class TrainerWorker:
         """Host channel `name`'s rendezvous; the engine joins at the returned address."""
         return ray.util.get_node_ip_address(), self.sender.open_channel(name, timeout_s)
 
-    def join_channel(self, name: str, world_size: int) -> None:
-        self.sender.join_channel(name, world_size)
+    def join_channels(self, names: list[str], world_size: int) -> dict[str, str]:
+        """Join the channels at once, each on its own thread (one actor thread waits for all:
+        a CPU trainer's other thread may be training); {name: error} for those that failed."""
+        return self.sender.join_channels(names, world_size)
 
     def close_channels(self, names: list[str]) -> None:
         for name in names:
@@ -166,11 +169,11 @@ class TrainerWorker:
         return self.sender.stage(named, resolve_dtype(self.cfg.model.dtype), bucket_bytes,
                                  flat, checksum=self.cfg.publication.verify_checksum)
 
-    def send_publication(self, names: list[str], which: str,
-                         timeout_s: float) -> tuple[int, dict[str, str]]:
-        """The staged (or published) snapshot to each named channel; failed channels are
-        reported by name and destroyed."""
-        return self.sender.send(names, which, timeout_s)
+    def send_publication(self, names: list[str], which: str, timeout_s: float,
+                         total_s: float | None = None) -> tuple[int, dict[str, str]]:
+        """The staged (or published) snapshot to each named channel, each at its own pace;
+        failed channels are reported by name and destroyed (a trainer-side failure raises)."""
+        return self.sender.send(names, which, timeout_s, total_s)
 
     def commit_publication(self) -> None:
         self.sender.commit()

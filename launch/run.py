@@ -22,8 +22,10 @@ from rl_async.plan.config import RunConfig
 POLL_S = 1.0
 
 
-def _init_ray(cfg: RunConfig) -> bool:
-    """Returns True when this driver started the cluster (and so must stop it)."""
+def _init_ray(cfg: RunConfig, dashboard: bool = False) -> bool:
+    """Returns True when this driver started the cluster (and so must stop it). A local
+    cluster has the Ray dashboard only when asked (`rl-async run --dashboard`): it costs
+    start-up time and memory that a small machine's run would rather have."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
@@ -39,8 +41,11 @@ def _init_ray(cfg: RunConfig) -> bool:
     c = cfg.cluster
     cpus = max(os.cpu_count() or 2,
                int(c.engine_cpus * max(1, c.cpu_engines) + c.trainer_cpus * c.trainer_workers))
-    ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True,
-             runtime_env=runtime_env, _node_ip_address="127.0.0.1")
+    context = ray.init(num_cpus=cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                       log_to_driver=True, runtime_env=runtime_env,
+                       _node_ip_address="127.0.0.1")
+    if dashboard:
+        print(f"[rl-async] Ray dashboard: http://{context.dashboard_url}", flush=True)
     return True
 
 
@@ -128,10 +133,10 @@ def _warn_shared_storage(cfg: RunConfig) -> None:
 
 
 def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
-                 resume: str | None = None) -> int:
+                 resume: str | None = None, dashboard: bool = False) -> int:
     _print_plan(cfg, report)
     cfg, run_dir, resume_from = resolve_resume(cfg, resume)
-    started = _init_ray(cfg)
+    started = _init_ray(cfg, dashboard)
     import ray
 
     from actors.controller import ControllerActor
@@ -217,9 +222,22 @@ def _cause(exc: BaseException) -> str:
     return text if len(text) <= 4000 else f"{text[:2500]} ... {text[-1400:]}"
 
 
+SUMMARY_FILE = "summary.json"
+
+
 def _write_summary(summary: dict, path: str | None) -> None:
+    """Print the summary, and write it to `<run dir>/summary.json` (every run, so `rl-async
+    compare` and `simulate --calibrate` always have it) and to `--summary-json PATH`. The
+    run directory is on the controller's node: with several nodes it is the shared
+    run.output_dir, otherwise it may not exist here, and then only PATH is written."""
     text = json.dumps(summary, indent=2, default=str)
     print("[rl-async] summary:\n" + text, flush=True)
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text + "\n")
+    targets = [Path(path)] if path else []
+    run_dir = summary.get("run_dir")
+    if run_dir and Path(run_dir).is_dir():
+        targets.append(Path(run_dir) / SUMMARY_FILE)
+    for target in targets:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text + "\n")
+    if run_dir and Path(run_dir).is_dir():
+        print(f"[rl-async] summary written to {Path(run_dir) / SUMMARY_FILE}", flush=True)

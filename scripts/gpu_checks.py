@@ -16,12 +16,15 @@ short by its time budget still says what passed:
     publication_buckets               bucket / flatten / unflatten of mixed-dtype tensors on the
                                       device is exact (the publication codec)
     publication_channel, publication_two_ranks, sglang_stop_rule, logprobs_chunked,
-    memory_plan_torch_step, megatron_resume_and_memory: docs/gpu.md (what each shows and
-                                      what it would have caught; a check that cannot run on
-                                      this machine is `skipped` with the reason)
+    memory_plan_torch_step, megatron_resume_and_memory, te_tp1_step, resume_fused_adam,
+    memory_swiglu, sglang_health_rule: docs/gpu.md (what each shows and what it would have
+                                      caught; a check that cannot run on this machine is
+                                      `skipped` with the reason, and the run ends by listing
+                                      what it skipped)
 
-Report: {"device", "torch", "cuda", "gpu", "passed", "ray_imported", "checks": {name:
-{"status": passed|failed|skipped|not_run, "seconds", "details" | "error"}}}.
+Report: {"device", "torch", "cuda", "gpu", "passed", "ray_imported", "skipped": {name:
+reason}, "checks": {name: {"status": passed|failed|skipped|not_run, "seconds", "details" |
+"error"}}}.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from gpu_check_memory import (check_logprobs_chunked, check_megatron_resume_and_
                               check_memory_plan_torch)
 from gpu_check_publish import (check_publication_channel, check_publication_two_ranks,
                                check_sglang_stop_rule)
+from gpu_check_stack import (check_memory_swiglu, check_resume_fused_adam,
+                             check_sglang_health_rule, check_te_tp1_step)
 from gpu_check_train import Skip, check_buckets, check_engine, check_megatron, check_torch_trainer
 
 CHECKS = {"embedded_engine_vs_hf_generate": check_engine,
@@ -51,7 +56,11 @@ CHECKS = {"embedded_engine_vs_hf_generate": check_engine,
           "sglang_stop_rule": check_sglang_stop_rule,
           "logprobs_chunked": check_logprobs_chunked,
           "memory_plan_torch_step": check_memory_plan_torch,
-          "megatron_resume_and_memory": check_megatron_resume_and_memory}
+          "megatron_resume_and_memory": check_megatron_resume_and_memory,
+          "te_tp1_step": check_te_tp1_step,
+          "resume_fused_adam": check_resume_fused_adam,
+          "memory_swiglu": check_memory_swiglu,
+          "sglang_health_rule": check_sglang_health_rule}
 
 
 # ---------------------------------------------------------------------------- the runner
@@ -78,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="run the checks on the CPU (CI)")
     ap.add_argument("--out", required=True, help="path of the JSON report")
-    ap.add_argument("--budget-s", type=float, default=540.0,
+    ap.add_argument("--budget-s", type=float, default=420.0,
                     help="start no check once this many seconds have passed")
     ap.add_argument("--only", nargs="*", choices=sorted(CHECKS), help="run only these checks")
     args = ap.parse_args(argv)
@@ -118,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                             and any(c["status"] == "passed" for c in report["checks"].values())
                             and not report["ray_imported"])
         report["seconds"] = round(time.monotonic() - start, 2)
+        report["skipped"] = {n: c["error"] for n, c in report["checks"].items()
+                             if c["status"] == "skipped"}
         out.write_text(json.dumps(report, indent=2))
+    for name, why in report["skipped"].items():
+        print(f"[gpu_checks] skipped {name}: {why}", flush=True)
     return 0 if report["passed"] else 1
 
 

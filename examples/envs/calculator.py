@@ -5,10 +5,11 @@ With `hint = true`, a first reply without a call gets the tool's result anyway (
 environment runs the calculator on the question's expression) and one more turn to answer,
 so every trajectory has a tool turn even before the model learns to call it.
 
-Rows: any JSONL with `prompt` (the question) and `answer`, e.g. data/arith/*.jsonl.
+Rows: any JSONL with `prompt` (the question) and `answer`, e.g. data/arith/*.jsonl. On the
+real SmolLM2 model (docs/environments.md, "The demo"):
     rl-async run cluster_configs/smollm2.toml --set task.name=env \\
-        --set task.env=examples/envs/calculator.py:make_env --set task.eval_path= ...
-(cluster_configs/smollm2.toml's comments and docs/environments.md have the whole command.)
+        --set task.env=examples/envs/calculator.py:make_env --set 'task.env_args={hint = true}' \\
+        --set rollout.max_trajectory_tokens=192 --set rollout.max_response_len=12
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ or, for an environment that runs its own loop and calls the model through an Ope
     max_turns: int (optional)                      model calls at most
 
 made by `factory(**task.env_args)`, where `task.env` is "package.module:factory" or
-"path/to/file.py:factory". Plain (non-async) methods are accepted too and run in a worker
-thread, so a blocking tool cannot stall the producer's event loop and its timeout still fires.
-Every call runs under `task.env_timeout_s`; whatever an environment raises or returns wrong
-becomes an `EnvironmentFailure` quoting the call, the row and the cause, which fails that
-group only (the failure budget decides whether the run goes on).
+"path/to/file.py:factory". The methods must be `async def`: a call past `task.env_timeout_s`
+is cancelled, and so stops (a plain function would have to run in a worker thread, which a
+timeout can only abandon, running on forever; such an environment is refused at load with
+the fix). Whatever an environment raises or returns wrong becomes an `EnvironmentFailure`
+quoting the call, the row and the cause, which fails that group only (the failure budget
+decides whether the run goes on).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ from rl_async.algo.tasks import ROLES, DatasetError, Prompt
 
 class EnvironmentFailure(RuntimeError):
     """An environment call raised, timed out or returned something outside the protocol."""
+
+
+class InfrastructureError(RuntimeError):
+    """A failure outside the policy (a refused or lost model call, a sandbox or tool service
+    down): the trajectory is aborted and regenerated from its row, never scored. An
+    environment raises it for a tool failure that is not the policy's doing."""
 
 
 class EnvironmentLoadError(ValueError):
@@ -88,6 +95,10 @@ def load_environment(spec: str, args: dict[str, Any] | None = None):
         raise EnvironmentLoadError(f"task.env = {spec!r}: the environment lacks {missing} "
                                    f"(SPEC §12: reset, step, score and max_turns; or rollout "
                                    f"for one that calls the model through the gateway)")
+    for method in (("rollout",) if is_agent(env) else ("reset", "step", "score")):
+        if not inspect.iscoroutinefunction(getattr(env, method)):
+            raise EnvironmentLoadError(f"task.env = {spec!r}: {method} is a plain function; "
+                                       f"{SYNC_FIX}")
     turns = getattr(env, "max_turns", None)
     if is_agent(env) and turns is None:
         return env  # a gateway environment may leave turns to the token budget
@@ -103,20 +114,26 @@ def is_agent(env) -> bool:
     return callable(getattr(env, "rollout", None))
 
 
+SYNC_FIX = ("environment methods must be `async def`, so that task.env_timeout_s stops a "
+            "call that runs past it (a blocking function in a worker thread cannot be stopped, "
+            "only abandoned); await async clients, and run blocking tools in a subprocess "
+            "(asyncio.create_subprocess_exec), which cancellation kills")
+
+
 async def call_env(env, method: str, args: tuple, timeout_s: float, where: str) -> Any:
-    """`env.method(*args)` under the timeout; any failure is an EnvironmentFailure naming
-    `where` (the row) and the call."""
+    """`env.method(*args)` under the timeout, which cancels the call (its coroutine stops at
+    its next await); any failure is an EnvironmentFailure naming `where` (the row) and the
+    call."""
     fn = getattr(env, method)
+    if not inspect.iscoroutinefunction(fn):
+        raise EnvironmentFailure(f"environment {method} for {where} is a plain function; "
+                                 f"{SYNC_FIX}")
     try:
-        if inspect.iscoroutinefunction(fn):
-            return await asyncio.wait_for(fn(*args), timeout_s)
-        result = await asyncio.wait_for(asyncio.to_thread(fn, *args), timeout_s)
-        if inspect.isawaitable(result):  # a plain function that returned a coroutine
-            result = await asyncio.wait_for(result, timeout_s)
-        return result
+        return await asyncio.wait_for(fn(*args), timeout_s)
     except asyncio.TimeoutError:
         raise EnvironmentFailure(f"environment {method} for {where} took more than "
-                                 f"task.env_timeout_s = {timeout_s:g} s") from None
+                                 f"task.env_timeout_s = {timeout_s:g} s (the call was "
+                                 f"cancelled)") from None
     except asyncio.CancelledError:
         raise
     except Exception as exc:

@@ -13,7 +13,9 @@ held-out one (small generators repeat questions). Each prompt is the library's d
 prompt (answer inside <answer></answer>) and the question, through the model's chat template.
 The reward extracts the last <answer> span with the library's `extract_answer` (a response
 without one is scored on its last non-empty line, so small models get partial signal) and
-hands it to the dataset's `score_answer(answer, entry)`.
+hands it to `score_answer(answer, entry)` of the dataset as configured (several scorers read
+their config: decimal_arithmetic's tolerance, puzzle24's range), on the entry as the
+generator made it (regenerated from its index, its types intact).
 """
 
 from __future__ import annotations
@@ -54,13 +56,25 @@ def create(name: str, args: dict[str, Any], seed: int, size: int | None = None):
         raise ReasoningGymError(f"task.dataset_config = {args!r} for {name!r}: {exc}") from None
 
 
+def _json_safe(value: Any) -> Any:
+    """Tuples to lists, keys and odd values to strings (a row travels as JSON)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool)) or value is None else str(value)
+
+
 def rows(name: str, args: dict[str, Any], seed: int) -> list[dict[str, Any]]:
-    """Every entry as a JSON-safe row: question, answer and the entry for score_answer."""
+    """Every entry as a JSON-safe row: question, answer, and what scoring needs (the
+    dataset's name, config and seed, the entry's index)."""
     out = []
+    config = json.dumps(args, sort_keys=True)
     for i, entry in enumerate(create(name, args, seed)):
-        safe = json.loads(json.dumps(entry, default=str))  # tuples -> lists, like a file row
+        safe = _json_safe(entry)
         out.append({"id": f"{name}-{i}", "question": safe["question"],
-                    "answer": str(safe["answer"]), "rg_dataset": name, "rg_entry": safe})
+                    "answer": str(safe["answer"]), "rg_dataset": name, "rg_entry": safe,
+                    "rg_config": config, "rg_seed": seed, "rg_index": i})
     return out
 
 
@@ -70,11 +84,10 @@ def system_prompt() -> str:
     return SYSTEM_PROMPTS["default"]
 
 
-@functools.lru_cache(maxsize=None)
-def _scorer(name: str):
-    import reasoning_gym
-
-    return reasoning_gym.get_score_answer_fn(name)
+@functools.lru_cache(maxsize=16)
+def _dataset(name: str, config: str, seed: int):
+    """The dataset as the run configured it (scorers read their config)."""
+    return create(name, json.loads(config), seed)
 
 
 def extract(text: str) -> str | None:
@@ -95,4 +108,6 @@ def reasoning_gym_reward(sample: Sample) -> float:
         raise KeyError(f"prompt {sample.prompt_id!r}: reasoning_gym_reward needs metadata "
                        f"'rg_entry' (task.name = 'reasoning_gym') and a decoded 'response_text' "
                        f"(set model.path)")
-    return float(_scorer(sample.metadata["rg_dataset"])(extract(text), entry))
+    m = sample.metadata
+    dataset = _dataset(m["rg_dataset"], m["rg_config"], int(m["rg_seed"]))
+    return float(dataset.score_answer(extract(text), dataset[int(m["rg_index"])]))

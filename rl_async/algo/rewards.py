@@ -51,7 +51,13 @@ def inline_safe(fn: Callable[..., Any]) -> Callable[..., Any]:
     tokens or strings). It is then called directly on the caller's event loop (no worker-thread
     hop; a call that cannot block needs no timeout) and, under reward.placement = "auto",
     inside the producer rather than the reward actor: no actor round trip per batch of samples.
-    Never mark a function that does I/O, calls a model or may take milliseconds."""
+    Never mark a function that does I/O, calls a model or may take milliseconds. An `async
+    def` is refused: it may await, so it is never called inline, and a mark that did nothing
+    would be silently lost."""
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(f"@inline_safe on {getattr(fn, '__qualname__', fn)!r}, an async "
+                        f"function: only a plain def (pure, microseconds, no I/O) can run "
+                        f"inline; remove @inline_safe or make it a plain def")
     fn.rl_async_inline_safe = True
     return fn
 

@@ -17,10 +17,12 @@ response's final answer with `answer`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
 import re
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -120,7 +122,10 @@ def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     result is a plain list of ints whatever `apply_chat_template(tokenize=True)` returns in the
     installed transformers (a BatchEncoding in 5.x: listing it gives its keys)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # task.chat_template_kwargs ride on the tokenizer (rl_async.algo.chat).
+        kwargs = getattr(tokenizer, "rl_async_template_kwargs", None) or {}
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **kwargs)
         return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
     if len(messages) != 1:
         raise DatasetError("a multi-turn `messages` row needs a tokenizer with a chat template "
@@ -317,10 +322,12 @@ def stream_digest(prompts: list[Prompt]) -> str:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(model_cfg):
+def load_tokenizer(model_cfg, chat_template: str | None = None,
+                   chat_template_kwargs: dict | None = None):
     """The checkpoint's tokenizer (local files only), or None for config-built models and
     weights-only checkpoints (no tokenizer file: token-id tasks need none; text rows then
-    fail to load, naming the missing tokenizer)."""
+    fail to load, naming the missing tokenizer). The chat settings (task.chat_template,
+    task.chat_template_kwargs) ride on the tokenizer (rl_async.algo.chat)."""
     if model_cfg.path is None:
         return None
     from pathlib import Path
@@ -329,11 +336,35 @@ def load_tokenizer(model_cfg):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(model_cfg.path, local_files_only=True)
+    if chat_template is not None or chat_template_kwargs:
+        from rl_async.algo.chat import apply_chat_settings
+
+        apply_chat_settings(tok, chat_template, chat_template_kwargs)
+    return tok
 
 
-def stop_token_ids(cfg) -> tuple[int, ...]:
-    """rollout.stop_token_ids, else the built-in task's EOS, else the model's eos_token_id."""
+def engine_prompt_limit(cfg) -> int | None:
+    """The longest input an engine must accept: rollout.max_prompt_len, or for a multi-turn
+    environment the whole trajectory so far (a later turn's request is every earlier token),
+    up to rollout.max_trajectory_tokens - 1."""
+    budget = cfg.rollout.max_trajectory_tokens
+    if cfg.task.name in ENV_TASKS and budget is not None:
+        return max(budget - 1, cfg.rollout.max_prompt_len or 0)
+    return cfg.rollout.max_prompt_len
+
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(cfg, tokenizer=None) -> tuple[int, ...]:
+    """rollout.stop_token_ids, else the built-in task's EOS, else every end-of-sequence id
+    the model declares: config.json's and generation_config.json's eos_token_id (chat
+    models often list their turn terminator only in the latter: Gemma's <end_of_turn>) and
+    the tokenizer's eos token (`tokenizer`, or the checkpoint's own files)."""
     if cfg.rollout.stop_token_ids is not None:
         return tuple(cfg.rollout.stop_token_ids)
     if cfg.task.name == "successor" or (cfg.task.name in ENV_TASKS and cfg.model.path is None):
@@ -342,8 +373,20 @@ def stop_token_ids(cfg) -> tuple[int, ...]:
         return ()
     from transformers import AutoConfig
 
-    eos = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    ids = _eos_ids(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id)
+    generation = Path(cfg.model.path).expanduser() / "generation_config.json"
+    if generation.is_file():
+        ids += _eos_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    eos = tokenizer.eos_token_id if tokenizer is not None else _tokenizer_eos(cfg.model.path)
+    return tuple(dict.fromkeys(ids + _eos_ids(eos)))  # in order, once each
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_eos(path: str) -> int | None:
+    """The checkpoint tokenizer's eos id (loaded once per path: sampling settings are built
+    at every evaluation)."""
+    tokenizer = load_tokenizer(types.SimpleNamespace(path=path))
+    return None if tokenizer is None else tokenizer.eos_token_id
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

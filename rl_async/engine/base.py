@@ -108,13 +108,15 @@ class Engine(abc.ABC):
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput: ...
 
-    async def generate_batch(self, requests: list[tuple[list[int], SamplingParams]]):
+    async def generate_batch(self, requests: list[tuple]):
         """Many requests in one call (one actor call per batch): an async iterator of
-        `[(index, GenerateOutput | EngineError), ...]` lists as requests finish. A request's
-        own error is yielded as its value; closing the iterator early aborts the rest."""
+        `[(index, GenerateOutput | EngineError), ...]` lists as requests finish. A request is
+        (input_ids, sampling_params) or (input_ids, sampling_params, request_id): a caller
+        that names it can `abort` it later. A request's own error is yielded as its value;
+        closing the iterator early aborts the rest."""
         from rl_async.base.batching import as_finished  # no cycle: batching has no engine imports
 
-        calls = [self.generate(ids, params) for ids, params in requests]
+        calls = [self.generate(*request) for request in requests]
         async for finished in as_finished(calls, forward=(EngineError,)):
             yield finished
 

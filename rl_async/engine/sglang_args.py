@@ -66,7 +66,8 @@ class SGLangEngineConfig:
     # `--disaggregation-mode`: "null" (a normal server), "prefill" or "decode".
     disaggregation_mode: str = "null"
     # Extra `sglang.launch_server` flags from the run file, e.g. {"dtype": "bfloat16",
-    # "disable_radix_cache": True, "cuda_graph_max_bs": 64}. True = bare flag, False/None = omit.
+    # "disable_radix_cache": True, "cuda_graph_max_bs_decode": 64}. True = bare flag,
+    # False/None = omit. SGLang parses its flags strictly: a typo fails the launch.
     server_args: dict[str, Any] = field(default_factory=dict)
     # SGLang's Req.check_finished tests `stop_token_ids` INSIDE `if not ignore_eos`, so
     # ignore_eos = true makes every response run to max_new_tokens past its EOS and stop
@@ -92,7 +93,8 @@ class SGLangEngineConfig:
     load_poll_interval_s: float = 2.0
     # Server log file; None = a file under the system temp directory.
     log_path: str | None = None
-    # Interpreter that runs `-m <launch_module>`; "" = the current one.
+    # Interpreter that runs `-m <launch_module>` (sglang.python: SGLang's own virtual env,
+    # which pins its own torch and transformers); "" = the current one.
     python_executable: str = ""
     launch_module: str = "sglang.launch_server"
 
@@ -203,6 +205,11 @@ def build_launch_env(config: SGLangEngineConfig, base_env: dict[str, str]) -> di
     # The NCCL settings the trainer's end of a publication channel runs with (SGLang forces
     # NCCL_CUMEM_ENABLE itself, to the same "0"; set here so the two never differ).
     env.update(NCCL_ENV)
+    # SGLang's /health otherwise generates a token, which waits while the engine is paused
+    # or a weight update holds its lock, and answers 503 after 20 s (http_server.py
+    # health_generate): a long publication would read as dead engines. Liveness instead;
+    # SGLang's own watchdog ends a wedged scheduler, and its death ends the server process.
+    env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
     return env
 
 
@@ -214,11 +221,20 @@ def signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def die_with_parent() -> None:
-    """In the server process, before exec: the kernel SIGKILLs it when the engine actor's
-    process dies, however it dies (SIGKILL, OOM), so no server outlives its actor holding
-    GPUs. Its scheduler processes follow it (SGLang kills them when their parent goes)."""
-    import ctypes
+# Run by the server's own interpreter before SGLang: ask the kernel to SIGKILL this process
+# when the engine actor's process dies (however it dies: SIGKILL, OOM), so no server outlives
+# its actor holding GPUs, then exec the server. SGLang's schedulers follow it (it kills them
+# when their parent goes). Not a preexec_fn: Ray's worker process has threads, and Python
+# code between fork and exec can deadlock on a lock another thread held at the fork.
+# PR_SET_PDEATHSIG (1) survives execve; a parent already gone is caught by the ppid check.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL('libc.so.6', use_errno=True).prctl(1, signal.SIGKILL); "
+    "os.getppid() == int(sys.argv[1]) or sys.exit('rl-async: the engine process that "
+    "launched this SGLang server is gone'); "
+    "os.execv(sys.argv[2], sys.argv[2:])")
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+def die_with_parent_command(cmd: list[str], parent_pid: int) -> list[str]:
+    """`cmd` (an interpreter and its arguments) run so that it dies with `parent_pid`."""
+    return [cmd[0], "-c", _DIE_WITH_PARENT, str(parent_pid), *cmd]

@@ -2,7 +2,8 @@
 
 Lifecycle:
 
-    start()  --launch: python -m sglang.launch_server (own process group, own GPUs)
+    start()  --launch: python -m sglang.launch_server (own process group, own GPUs; it dies
+             with this process: sglang_args.die_with_parent_command)
              --attach: config.url
           -> poll GET /health_generate until 200 (start-up timeout; a dead process or timeout
              raises EngineError with the tail of the server log)
@@ -42,7 +43,7 @@ from rl_async.engine.base import Engine, EngineError, EngineLoad, GenerateOutput
     InvalidRequestError, SamplingParams, TransientEngineError
 from rl_async.engine import sglang_protocol as proto
 from rl_async.engine.sglang_args import SGLANG_VERSION, SGLangEngineConfig, \
-    build_launch_command, build_launch_env, die_with_parent, free_port, signal_group
+    build_launch_command, build_launch_env, die_with_parent_command, free_port, signal_group
 
 __all__ = ["SGLANG_VERSION", "SGLangEngine", "SGLangEngineConfig"]
 
@@ -101,15 +102,13 @@ class SGLangEngine(Engine):
         if not self._log_path:
             fd, self._log_path = tempfile.mkstemp(prefix=f"sglang-{port}-", suffix=".log")
             os.close(fd)
-        cmd = build_launch_command(self.config, port)
+        cmd = die_with_parent_command(build_launch_command(self.config, port), os.getpid())
         with open(self._log_path, "ab") as log:
             # start_new_session: the server and its scheduler children form one process group
             # that shutdown() can end by its id, and nothing else.
             self._process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=build_launch_env(self.config, dict(os.environ)), start_new_session=True,
-                preexec_fn=die_with_parent,
-            )
+                env=build_launch_env(self.config, dict(os.environ)), start_new_session=True)
 
     async def _wait_healthy(self) -> None:
         loop = asyncio.get_running_loop()
@@ -232,11 +231,18 @@ class SGLangEngine(Engine):
         return self._process.pid if self._process is not None else None
 
     async def health(self) -> None:
-        """The supervisor's probe: the server process lives and answers /health."""
+        """The supervisor's probe: the server process lives and its HTTP side answers.
+
+        GET /model_info, never /health: SGLang 0.5.23's /health generates a token unless
+        the server was launched with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0 (this class
+        sets it; an attached server may not), and that token waits while the engine is
+        paused or a weight update holds its lock, then 503 after 20 s: a publication over
+        20 s would make the supervisor restart healthy engines. /model_info is answered by
+        the tokenizer manager alone (http_server.py model_info)."""
         if self._process is not None and self._process.poll() is not None:
             raise EngineError(f"sglang server {self.base_url} exited with code "
                               f"{self._process.returncode} (log {self._log_path})")
-        await self._call("GET", "/health", timeout_s=self.config.control_timeout_s,
+        await self._call("GET", "/model_info", timeout_s=self.config.control_timeout_s,
                          timeout_key="control_timeout_s")
 
     def _control(self, path: str, payload: Any = None, **kw: Any) -> Any:

@@ -3,58 +3,64 @@ OpenAI-compatible gateway (rl_async.loop.gateway); the trajectory is assembled f
 
     rollout(row, endpoint) -> float        the environment's whole episode, and its reward
 
-`endpoint` (Endpoint) carries the gateway's base_url, the run's token and this trajectory's id;
-`endpoint.openai_client()` is an `openai.AsyncOpenAI` that sends the id on every call.
+`endpoint` (Endpoint) carries a base URL and an API key of this trajectory alone
+(`.../s/<trajectory>/v1` and a per-trajectory key), so a harness configured only through
+OPENAI_BASE_URL / OPENAI_API_KEY is bound to its trajectory; `endpoint.openai_client()` is an
+`openai.AsyncOpenAI` built from them.
 
 Token-in/token-out holds as in rl_async.loop.trajectory: the gateway keeps each trajectory's
 token ids. The first call's messages are rendered by the chat template (the prompt); every
 later call must repeat the conversation so far unchanged (the messages sent before and the
 assistant replies exactly as returned) and append only new user/tool/system messages; those
 are rendered as the template's delta (loss_mask 0) and the engine continues the exact tokens
-so far. A call that rewrites history is refused (HTTP 400 naming the message), which fails
-the group with that cause rather than training tokens that were never sampled.
+so far. A call the gateway refuses (a rewritten history, a field it cannot honour) is
+infrastructure, not the policy: the trajectory is aborted and regenerated (rl_async.loop.
+agent_runner), whatever the environment does with the HTTP 400.
 
 Limits: each call gets min(max_tokens asked, rollout.max_response_len, the room left in
-rollout.max_trajectory_tokens); once the budget or the environment's `max_turns` (optional
-here) is spent, calls answer empty with finish_reason "length" and the trajectory is counted
-truncated. `task.env_timeout_s` bounds the whole rollout (generation included).
+rollout.max_trajectory_tokens); once the budget, the environment's `max_turns` (optional
+here) or task.trajectory_timeout_s is spent, calls answer empty with finish_reason "length"
+and the trajectory is counted truncated. A call arriving after the rollout returned is
+refused (409) and nothing it generates is kept.
 """
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from rl_async.algo.chat import ChatRenderer
-from rl_async.algo.environments import EnvironmentFailure, call_env, check_score, row_of
 from rl_async.base import clock
 from rl_async.base.types import Sample
 from rl_async.engine.base import EngineError, GenerateOutput
-from rl_async.loop.trajectory import TrajectoryLimits, TrajectoryResult, TurnGenerate
+from rl_async.loop.openai_wire import CallOptions, GatewayRefusal
+from rl_async.loop.trajectory import TrajectoryLimits, TurnGenerate
 
-_ids = itertools.count()
-
-
-class GatewayRefusal(ValueError):
-    """A call the gateway cannot serve token-in/token-out (HTTP 400, message quoted)."""
+__all__ = ["AgentTrajectory", "Endpoint", "GatewayRefusal", "Reply", "TrajectoryAborted",
+           "TrajectoryClosed", "parse_tool_calls"]
 
 
 class TrajectoryAborted(RuntimeError):
-    """An engine aborted a turn (publication drain, engine lost): the group is regenerated."""
+    """An engine aborted a turn past its retries: the group is regenerated (HTTP 503)."""
+
+
+class TrajectoryClosed(RuntimeError):
+    """A call on a trajectory whose rollout already returned (HTTP 409)."""
 
 
 @dataclass(frozen=True)
 class Endpoint:
-    base_url: str          # ".../v1"
-    api_key: str           # the run's gateway token
+    base_url: str          # ".../s/<trajectory>/v1": this trajectory's own base URL
+    api_key: str           # this trajectory's own key
     model: str
     trajectory_id: str
     # The gateway's pooled HTTP client: an OpenAI client costs ~20 ms to build with its own
     # (an SSL context each), 20x a loopback call, so every trajectory's client shares one.
     http_client: Any = field(default=None, compare=False, repr=False)
+    gateway_url: str = ""  # the run-wide ".../v1" (calls bound by their key alone)
 
     @property
     def headers(self) -> dict[str, str]:
@@ -89,8 +95,10 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict]]:
-    """(content without the parsed calls, OpenAI tool_calls). A block that is not a JSON
-    object with a string `name` stays in the content, as the model wrote it."""
+    """(content without the parsed calls, OpenAI tool_calls). Only blocks after the last
+    `</think>` count (a model thinking about a call has not made it); `arguments` or
+    Llama-style `parameters`. A block that is not a JSON object with a string `name` stays
+    in the content, as the model wrote it."""
     calls: list[dict] = []
 
     def take(match: re.Match) -> str:
@@ -100,13 +108,16 @@ def parse_tool_calls(text: str, turn: int) -> tuple[str, list[dict]]:
             return match.group(0)
         if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
             return match.group(0)
-        args = obj.get("arguments", {})
+        args = obj.get("arguments", obj.get("parameters", {}))
         calls.append({"id": f"call_{turn}_{len(calls)}", "type": "function",
                       "function": {"name": obj["name"], "arguments": args if isinstance(
                           args, str) else json.dumps(args)}})
         return ""
 
-    content = _TOOL_CALL.sub(take, text)
+    cut = text.rfind("</think>")
+    head, tail = (text[:cut + len("</think>")], text[cut + len("</think>"):]) if cut >= 0 \
+        else ("", text)
+    content = head + _TOOL_CALL.sub(take, tail)
     return (content.strip() if calls else content), calls
 
 
@@ -133,7 +144,42 @@ class AgentTrajectory:
     error: BaseException | None = None                  # what a call raised (re-raised)
     kind: str | None = None                             # "chat" | "completions"
     tools: list[dict] | None = None                     # the first chat call's tools
-    busy: bool = False                                  # a call is being served
+    busy_calls: int = 0                                 # calls being served
+    api_key: str = ""                                   # its key on the gateway
+    # Infrastructure, not the policy: a refused call, a call whose client went away.
+    refused: str | None = None
+    lost: str | None = None
+    closed: bool = False                                # the rollout returned
+    deadline: float | None = None                       # task.trajectory_timeout_s
+    # The environment's own time (task.env_timeout_s bounds each stretch of it): since
+    # when it has had control, and a wake-up for the watchdog at every call's start and end.
+    env_since: float = 0.0
+    changed: asyncio.Event | None = None
+
+    def infrastructure(self) -> str | None:
+        """Why this trajectory must be regenerated rather than scored, if it must."""
+        if self.aborted:
+            return "an engine aborted a turn past its retries"
+        if self.refused:
+            return f"the gateway refused a call: {self.refused}"
+        return self.lost
+
+    @property
+    def busy(self) -> bool:
+        return self.busy_calls > 0
+
+    def begin_call(self) -> None:
+        self.busy_calls += 1
+        self._changed()
+
+    def end_call(self) -> None:
+        self.busy_calls -= 1
+        self.env_since = clock.now()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
 
     def _kind(self, kind: str) -> None:
         if self.kind not in (None, kind):
@@ -152,11 +198,15 @@ class AgentTrajectory:
         self._extend(ids, [0.0] * len(ids), [-1] * len(ids), 0)
 
     def _check_open(self) -> None:
+        if self.closed:
+            raise TrajectoryClosed("this trajectory's rollout already returned; calls after it "
+                                   "are refused")
         if self.aborted:  # a client that retries after the 503 gets it again
             raise TrajectoryAborted("an engine aborted this trajectory; its group is regenerated")
 
     async def chat(self, messages: list[dict], max_tokens: int | None,
-                   tools: list[dict] | None = None) -> Reply:
+                   tools: list[dict] | None = None, options: CallOptions = CallOptions()
+                   ) -> Reply:
         self._check_open()
         self._kind("chat")
         if not messages:
@@ -165,36 +215,42 @@ class AgentTrajectory:
             self.sample.prompt_ids = self.renderer.prompt_ids(messages, tools)
             self.messages, self.tools = list(messages), tools
         else:
-            if (tools or None) != self.tools:
-                raise GatewayRefusal("tools differ from the trajectory's first call (the "
-                                     "prompt rendered them; they cannot change mid-way)")
-            prior = self.messages
-            for i, m in enumerate(prior):
-                if i >= len(messages) or not _same(messages[i], m):
-                    raise GatewayRefusal(
-                        f"message {i} differs from the conversation so far (expected role "
-                        f"{m.get('role')!r}, content {(m.get('content') or '')[:60]!r}): "
-                        f"token-in/token-out needs an append-only conversation with the "
-                        f"assistant replies exactly as returned")
-            new = messages[len(prior):]
-            if not new or any(m.get("role") == "assistant" for m in new):
-                raise GatewayRefusal("a follow-up call must append user, tool or system "
-                                     "messages after the last assistant reply")
+            new = self._new_messages(messages, tools)
             if self._room(max_tokens) >= 1:
-                ids = self.renderer.continuation_ids(prior, self.last_output, new, self.tools)
+                ids = self.renderer.continuation_ids(self.messages, self.last_output, new,
+                                                     self.tools)
                 if self._fits(ids):
                     self._context(ids)
-            self.messages = prior + list(new)
-        reply = await self._turn(max_tokens)
-        reply.content, reply.tool_calls = (parse_tool_calls(reply.text, self.sample.turns)
-                                           if self.tools else (reply.text, []))
+            self.messages = self.messages + list(new)
+        reply = await self._turn(max_tokens, options.stop)
+        reply.content, reply.tool_calls = (
+            parse_tool_calls(reply.text, self.sample.turns) if self.tools and options.tools_parsed
+            else (reply.text, []))
         message = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             message["tool_calls"] = reply.tool_calls
         self.messages.append(message)
         return reply
 
-    async def complete(self, prompt: str, max_tokens: int | None) -> Reply:
+    def _new_messages(self, messages: list[dict], tools: list[dict] | None) -> list[dict]:
+        if (tools or None) != self.tools:
+            raise GatewayRefusal("tools differ from the trajectory's first call (the prompt "
+                                 "rendered them; they cannot change mid-way)")
+        for i, m in enumerate(self.messages):
+            if i >= len(messages) or not _same(messages[i], m):
+                raise GatewayRefusal(
+                    f"message {i} differs from the conversation so far (expected role "
+                    f"{m.get('role')!r}, content {(m.get('content') or '')[:60]!r}): "
+                    f"token-in/token-out needs an append-only conversation with the "
+                    f"assistant replies exactly as returned")
+        new = messages[len(self.messages):]
+        if not new or any(m.get("role") == "assistant" for m in new):
+            raise GatewayRefusal("a follow-up call must append user, tool or system "
+                                 "messages after the last assistant reply")
+        return new
+
+    async def complete(self, prompt: str, max_tokens: int | None,
+                       options: CallOptions = CallOptions()) -> Reply:
         self._check_open()
         self._kind("completions")
         if self.sample.turns == 0 and not self.sample.prompt_ids:
@@ -208,7 +264,7 @@ class AgentTrajectory:
                 if self._fits(ids):
                     self._context(ids)
         self.text = prompt
-        reply = await self._turn(max_tokens)
+        reply = await self._turn(max_tokens, options.stop)
         self.text += reply.text
         return reply
 
@@ -224,6 +280,9 @@ class AgentTrajectory:
         if self.max_turns is not None and self.sample.turns >= self.max_turns:
             self.finish = "max_turns"
             return 0
+        if self.deadline is not None and clock.now() >= self.deadline:
+            self.finish = "timeout"
+            return 0
         if room < 1 and self.limits.max_trajectory_tokens is not None:
             self.finish = "max_tokens"
         return room
@@ -237,7 +296,7 @@ class AgentTrajectory:
             return False
         return True
 
-    async def _turn(self, max_tokens: int | None) -> Reply:
+    async def _turn(self, max_tokens: int | None, stop: tuple[str, ...] = ()) -> Reply:
         room = self._room(max_tokens)
         if room < 1 or self.finish != "done":  # a budget is spent: answer nothing, truncated
             return Reply("", [], [], "length", self._ids())
@@ -247,67 +306,43 @@ class AgentTrajectory:
             out: GenerateOutput = await self.generate(input_ids, room, self.sample.turns)
         finally:
             self.generate_seconds += clock.now() - start
+        if self.closed:  # the rollout returned meanwhile: nothing of this call is kept
+            raise TrajectoryClosed("this trajectory's rollout returned during the call")
         if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
             raise EngineError(f"engine reply for turn {self.sample.turns} is malformed: "
                               f"{len(out.output_ids)} tokens, {len(out.output_logprobs)} "
                               f"log-probs, {len(out.token_versions)} versions")
         self.sample.turns += 1
+        self.sampled += len(out.output_ids)
         if out.finish_reason == "abort":
             self.aborted = True
-            self.sampled += len(out.output_ids)
             raise TrajectoryAborted("an engine aborted this turn; the group is regenerated")
-        self._extend(out.output_ids, out.output_logprobs, out.token_versions, 1)
-        self.sampled += len(out.output_ids)
-        self.last_output = list(out.output_ids)
-        return Reply(self.renderer.assistant_text(out.output_ids), list(out.output_ids),
-                     list(out.output_logprobs), "stop" if out.finish_reason == "stop"
-                     else "length", input_ids)
+        n, text, finish = self._cut_at_stop(out, stop)
+        self._extend(out.output_ids[:n], out.output_logprobs[:n], out.token_versions[:n], 1)
+        self.last_output = list(out.output_ids[:n])
+        return Reply(text, list(out.output_ids[:n]), list(out.output_logprobs[:n]), finish,
+                     input_ids)
+
+    def _cut_at_stop(self, out: GenerateOutput, stop: tuple[str, ...]) -> tuple[int, str, str]:
+        """(tokens kept, text returned, finish reason): a `stop` string ends the reply at the
+        token that completes it (kept and trained: the policy sampled it); the text stops
+        before it, as OpenAI's does. Tokens sampled past it are dropped, never trained."""
+        ids = out.output_ids
+        text = self.renderer.assistant_text(ids)
+        finish = "stop" if out.finish_reason == "stop" else "length"
+        hits = [at for at in (text.find(s) for s in stop) if at >= 0]
+        if not hits:
+            return len(ids), text, finish
+        cut = min(hits)
+        lo, hi = 1, len(ids)  # the fewest tokens whose text holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            head = self.renderer.assistant_text(ids[:mid])
+            if any(s in head for s in stop):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, text[:cut], "stop"
 
     def _ids(self) -> list[int]:
         return self.sample.prompt_ids + self.sample.response_ids
-
-
-class AgentRunner:
-    """Runs an agent environment's rollouts against a gateway (same interface as
-    TrajectoryRunner: the producer and the evaluation call `run`)."""
-
-    def __init__(self, env, renderer: ChatRenderer, limits: TrajectoryLimits, gateway):
-        self.env, self.renderer, self.limits, self.gateway = env, renderer, limits, gateway
-
-    async def run(self, sample: Sample, generate: TurnGenerate) -> TrajectoryResult:
-        where = f"row {sample.metadata.get('where', sample.prompt_id)}"
-        traj = AgentTrajectory(self.renderer, self.limits, generate,
-                               getattr(self.env, "max_turns", None))
-        traj.sample = Sample(prompt_id=sample.prompt_id, prompt_ids=[])
-        tid = f"t{next(_ids)}-{sample.prompt_id}"
-        endpoint = await self.gateway.open(tid, traj)
-        start = clock.now()
-        try:
-            reward = await call_env(self.env, "rollout", (row_of(sample.metadata), endpoint),
-                                    self.limits.env_timeout_s, where)
-        except EnvironmentFailure:
-            if traj.aborted:  # the env saw the gateway's 503 for an aborted turn
-                return TrajectoryResult("abort", traj.sample.turns, 0.0, traj.sampled)
-            if traj.error is not None:  # an engine or actor error behind a call: as it was
-                raise traj.error
-            raise
-        finally:
-            self.gateway.close(tid)
-        seconds = clock.now() - start
-        if traj.aborted:
-            return TrajectoryResult("abort", traj.sample.turns, 0.0, traj.sampled)
-        if traj.error is not None:  # the environment swallowed a failed call
-            raise traj.error
-        if traj.sample.turns == 0:
-            raise EnvironmentFailure(f"environment rollout for {where} never called the model "
-                                     f"through the gateway")
-        reward = check_score(reward, f"{where} (rollout)")
-        done = traj.sample
-        sample.prompt_ids, sample.response_ids = done.prompt_ids, done.response_ids
-        sample.behavior_logprobs, sample.token_versions = (done.behavior_logprobs,
-                                                           done.token_versions)
-        sample.loss_mask, sample.turns = done.loss_mask, done.turns
-        sample.reward, sample.finish_reason = reward, traj.finish
-        # The environment's own time: the rollout's wall time less its waits on the model.
-        env_seconds = max(0.0, seconds - traj.generate_seconds)
-        return TrajectoryResult(traj.finish, done.turns, env_seconds, traj.sampled)

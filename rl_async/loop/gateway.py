@@ -1,85 +1,45 @@
 """The OpenAI-compatible gateway (SPEC §12): /v1/chat/completions, /v1/completions and
 /v1/models in front of the producer's gated, routed generation, for agent environments that
-drive the model through an OpenAI client (rl_async.loop.agent).
+drive the model through an OpenAI client (rl_async.loop.agent, rl_async.loop.agent_runner).
 
 It runs inside the producer's event loop (the environments' rollouts run there too), bound to
-127.0.0.1 on a free port, and answers only requests carrying the run's token
-(`Authorization: Bearer <token>`, a fresh secret per run) and an open trajectory's id
-(`X-Trajectory-Id` header, or `trajectory_id` in the body: the OpenAI client's `extra_body`).
+127.0.0.1 on a free port. A call is bound to its trajectory by any of:
+- the trajectory's own base URL, `/s/<trajectory>/v1/...`, with its own API key (what
+  `endpoint.base_url` and `endpoint.api_key` are: a harness configured only through
+  OPENAI_BASE_URL / OPENAI_API_KEY works unmodified);
+- the trajectory's API key alone, on `/v1/...`;
+- the run's token (`Authorization: Bearer <token>`, a fresh secret per run) with the
+  trajectory's id in the URL, the `X-Trajectory-Id` header or the body's `trajectory_id`.
 
-Requests: `n` = 1 and no streaming; `max_tokens` / `max_completion_tokens` cap the reply
-below the run's own limits; the run's sampling settings (rollout.temperature, top_p, top_k)
-are the behaviour policy, so a request's own are ignored. `logprobs: true` adds the sampled
-tokens' log-probs; `return_token_ids: true` adds `prompt_token_ids` and per-choice
-`token_ids` (the exact ids trained). With `tools`, the chat template renders them (where it
-supports tools) and Hermes-style `<tool_call>{"name", "arguments"}</tool_call>` blocks in a
-reply come back as OpenAI `tool_calls` (finish_reason "tool_calls"); the trained tokens are
-still the sampled ones, blocks included.
+What a request may ask is in rl_async.loop.openai_wire (honoured, or refused with a 400 naming
+the field). `stream: true` answers in OpenAI's server-sent events. Bodies up to
+`task.gateway_max_body_mb`. A refused call is recorded on its trajectory, which is then
+regenerated rather than scored (infrastructure, not the policy). When a rollout returns its
+trajectory is closed: calls still in flight are cancelled (their engine requests aborted by
+the producer) and later ones get 409; a call whose client disconnects is cancelled too
+(aiohttp's handler cancellation) and costs the trajectory (it is regenerated).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
-import time
-from typing import Any
+from collections import OrderedDict
 
-from rl_async.loop.agent import (AgentTrajectory, Endpoint, GatewayRefusal, Reply,
-                                 TrajectoryAborted)
+from rl_async.loop import openai_wire as wire
+from rl_async.loop.agent import (AgentTrajectory, Endpoint, GatewayRefusal, TrajectoryAborted,
+                                 TrajectoryClosed)
 
 HEADER = "X-Trajectory-Id"
+_CLOSED_REMEMBERED = 4096  # ended trajectories whose late calls get 409, not 404
+_ids = itertools.count()
 
 
-def _error(status: int, message: str, kind: str):
+def _error(status: int, message: str, kind: str, param: str | None = None):
     from aiohttp import web
 
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
-                             status=status)
-
-
-def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or OpenAI content parts of type text."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    if content is None:
-        return ""
-    raise GatewayRefusal(f"{where}: content must be a string or text parts")
-
-
-def _messages(body: dict) -> list[dict]:
-    raw = body.get("messages")
-    if not isinstance(raw, list):
-        raise GatewayRefusal("'messages' must be a list")
-    out = []
-    for i, m in enumerate(raw):
-        if not (isinstance(m, dict) and m.get("role") in ("system", "user", "assistant", "tool")):
-            raise GatewayRefusal(f"messages[{i}]: needs a role of system, user, assistant, tool")
-        message = {"role": m["role"], "content": _text(m.get("content"), f"messages[{i}]")}
-        # Tool-call bookkeeping the template may render (assistant calls, tool results).
-        message.update({k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k)})
-        out.append(message)
-    return out
-
-
-def _tools(body: dict) -> list[dict] | None:
-    tools = body.get("tools")
-    if tools is None or tools == []:
-        return None
-    if not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise GatewayRefusal("'tools' must be a list of OpenAI tool objects")
-    return tools
-
-
-def _max_tokens(body: dict) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise GatewayRefusal(f"max_tokens = {value!r}: a positive integer")
-    return value
+    return web.json_response(wire.error_body(status, message, kind, param), status=status)
 
 
 def _shared_http_client():
@@ -102,31 +62,43 @@ def _shared_http_client():
 
 
 class Gateway:
-    def __init__(self, model: str, tokenizer, host: str = "127.0.0.1"):
+    def __init__(self, model: str, tokenizer, host: str = "127.0.0.1",
+                 max_body_mb: int = 64):
         self.model, self.tokenizer, self.host = model, tokenizer, host
+        self.max_body_mb = max_body_mb
         self.token = secrets.token_urlsafe(24)
         self.trajectories: dict[str, AgentTrajectory] = {}
-        self.base_url: str | None = None
+        self.keys: dict[str, str] = {}            # per-trajectory API key -> trajectory id
+        self._calls: dict[str, set[asyncio.Task]] = {}  # trajectory id -> handlers serving it
+        self._closed: OrderedDict[str, None] = OrderedDict()
+        self.root: str | None = None              # http://host:port
         self._runner = None
         self._http = None  # the pooled client every trajectory's OpenAI client shares
         self._lock = asyncio.Lock()
 
+    @property
+    def base_url(self) -> str | None:
+        return None if self.root is None else f"{self.root}/v1"
+
     async def start(self) -> str:
-        """Bind (once) and return the base URL, ".../v1"."""
+        """Bind (once) and return the run-wide base URL, ".../v1"."""
         async with self._lock:
-            if self.base_url is None:
+            if self.root is None:
                 from aiohttp import web
 
-                app = web.Application()
-                app.router.add_post("/v1/chat/completions", self._chat)
-                app.router.add_post("/v1/completions", self._completions)
-                app.router.add_get("/v1/models", self._models)
-                self._runner = web.AppRunner(app, access_log=None)
+                app = web.Application(client_max_size=self.max_body_mb * 1024 * 1024)
+                for prefix in ("/v1", "/s/{session}/v1"):
+                    app.router.add_post(f"{prefix}/chat/completions", self._chat)
+                    app.router.add_post(f"{prefix}/completions", self._completions)
+                    app.router.add_get(f"{prefix}/models", self._models)
+                # Handler cancellation: a handler whose client went away stops (and with it
+                # its engine request) instead of generating for no one.
+                self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
                 await self._runner.setup()
                 site = web.TCPSite(self._runner, self.host, 0)
                 await site.start()
                 port = site._server.sockets[0].getsockname()[1]
-                self.base_url = f"http://{self.host}:{port}/v1"
+                self.root = f"http://{self.host}:{port}"
                 self._http = _shared_http_client()
         return self.base_url
 
@@ -136,110 +108,147 @@ class Gateway:
             self._http = None
         if self._runner is not None:
             await self._runner.cleanup()
-            self._runner, self.base_url = None, None
+            self._runner, self.root = None, None
 
-    async def open(self, trajectory_id: str, trajectory: AgentTrajectory) -> Endpoint:
-        base = await self.start()
-        self.trajectories[trajectory_id] = trajectory
-        return Endpoint(base, self.token, self.model, trajectory_id, self._http)
+    async def open(self, trajectory: AgentTrajectory) -> Endpoint:
+        """Register a trajectory under a fresh opaque id and key; its endpoint."""
+        await self.start()
+        tid = f"t{next(_ids)}-{secrets.token_hex(4)}"  # ASCII, whatever the row's id
+        key = f"rlt-{secrets.token_urlsafe(24)}"
+        self.trajectories[tid], self.keys[key] = trajectory, tid
+        trajectory.api_key = key
+        return Endpoint(f"{self.root}/s/{tid}/v1", key, self.model, tid, self._http,
+                         self.base_url)
 
     def close(self, trajectory_id: str) -> None:
-        self.trajectories.pop(trajectory_id, None)
+        """The rollout returned: refuse later calls, cancel the ones in flight."""
+        traj = self.trajectories.pop(trajectory_id, None)
+        if traj is None:
+            return
+        traj.closed = True
+        self.keys.pop(getattr(traj, "api_key", None), None)
+        for task in self._calls.pop(trajectory_id, set()):
+            task.cancel()
+        self._closed[trajectory_id] = None
+        while len(self._closed) > _CLOSED_REMEMBERED:
+            self._closed.popitem(last=False)
 
     # -- HTTP ---------------------------------------------------------------------------
+
+    def _caller(self, request) -> tuple[str | None, str | None]:
+        """(the trajectory the credentials name, or None for the run's token; refusal)."""
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if secrets.compare_digest(given.encode(), self.token.encode()):
+            return None, None
+        if given in self.keys:
+            return self.keys[given], None
+        return None, "missing or wrong API key (a trajectory's key, or the run's gateway token)"
 
     async def _models(self, request):
         from aiohttp import web
 
-        if (refused := self._auth(request)) is not None:
-            return refused
+        if self._caller(request)[1] is not None:
+            return _error(401, self._caller(request)[1], "authentication_error")
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "rl-async"}]})
 
-    def _auth(self, request):
-        given = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-            return _error(401, "missing or wrong token (the run's gateway token)",
-                          "authentication_error")
-        return None
-
-    async def _serve(self, request, kind: str):
+    async def _trajectory(self, request) -> tuple[str | None, AgentTrajectory | None, object]:
+        """(id, trajectory, body) or (id, None, an error response)."""
         from aiohttp import web
 
-        if (refused := self._auth(request)) is not None:
-            return refused
+        keyed, refused = self._caller(request)
+        if refused is not None:
+            return None, None, _error(401, refused, "authentication_error")
+        session = request.match_info.get("session")
+        if keyed is not None and session not in (None, keyed):
+            return None, None, _error(401, f"this API key belongs to another session than "
+                                           f"{session!r}", "authentication_error")
         try:
             body = await request.json()
+        except web.HTTPRequestEntityTooLarge:
+            tid = keyed or session or request.headers.get(HEADER)
+            if tid in self.trajectories:
+                self.trajectories[tid].refused = "a request body over the gateway's limit"
+            return tid, None, _error(413, f"the request body is over task.gateway_max_body_mb "
+                                          f"= {self.max_body_mb}; raise it", "invalid_request_error")
         except ValueError:
-            return _error(400, "the body is not JSON", "invalid_request_error")
+            return None, None, _error(400, "the body is not JSON", "invalid_request_error")
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_request_error")
-        tid = request.headers.get(HEADER) or body.get("trajectory_id")
+            return None, None, _error(400, "the body must be a JSON object",
+                                      "invalid_request_error")
+        tid = keyed or session or request.headers.get(HEADER) or body.get("trajectory_id")
         traj = self.trajectories.get(tid) if tid else None
         if traj is None:
-            return _error(404, f"no open trajectory {tid!r} (send the endpoint's "
-                               f"{HEADER} header or extra_body trajectory_id)",
-                          "invalid_request_error")
+            if tid in self._closed:
+                return tid, None, _error(409, f"trajectory {tid} has ended: its rollout "
+                                              f"returned", "invalid_request_error")
+            return tid, None, _error(404, f"no open trajectory {tid!r} (use the endpoint's "
+                                          f"base_url and api_key)", "invalid_request_error")
+        return tid, traj, body
+
+    async def _serve(self, request, kind: str):
+        tid, traj, body = await self._trajectory(request)
+        if traj is None:
+            return body
+        task = asyncio.current_task()
+        self._calls.setdefault(tid, set()).add(task)
+        traj.begin_call()
         try:
-            if body.get("stream"):
-                raise GatewayRefusal("stream = true is not supported")
-            if body.get("n", 1) != 1:
-                raise GatewayRefusal(f"n = {body.get('n')!r}: one choice per call "
-                                     f"(a group's samples are separate trajectories)")
+            return await self._answer(request, kind, tid, traj, body)
+        except asyncio.CancelledError:
+            if not traj.closed:  # the client went away mid-call: the call is lost
+                traj.lost = traj.lost or "a model call's client disconnected mid-call"
+            raise
+        finally:
+            self._calls.get(tid, set()).discard(task)
+            traj.end_call()
+
+    async def _answer(self, request, kind: str, tid: str, traj: AgentTrajectory, body: dict):
+        try:
+            options = wire.options(body)
             if traj.error is not None:
                 raise traj.error
-            if traj.busy:  # one conversation, one call at a time: its tokens are a sequence
+            if traj.busy_calls > 1:  # one conversation, one call at a time
                 raise GatewayRefusal("a call on this trajectory is already in flight")
-            traj.busy = True
-            try:
-                if kind == "chat":
-                    reply = await traj.chat(_messages(body), _max_tokens(body), _tools(body))
-                else:
-                    prompt = body.get("prompt")
-                    if not isinstance(prompt, str):
-                        raise GatewayRefusal("'prompt' must be a string")
-                    reply = await traj.complete(prompt, _max_tokens(body))
-            finally:
-                traj.busy = False
+            if kind == "chat":
+                reply = await traj.chat(wire.messages(body), wire.max_tokens(body),
+                                        wire.tools(body), options)
+            else:
+                prompt = body.get("prompt")
+                if not isinstance(prompt, str):
+                    raise GatewayRefusal("'prompt' must be a string (token-id prompts are not "
+                                         "served)")
+                reply = await traj.complete(prompt, wire.max_tokens(body), options)
         except GatewayRefusal as exc:
+            traj.refused = traj.refused or str(exc)
             return _error(400, f"trajectory {tid}: {exc}", "invalid_request_error")
+        except TrajectoryClosed as exc:
+            return _error(409, f"trajectory {tid}: {exc}", "invalid_request_error")
         except TrajectoryAborted as exc:
             return _error(503, f"trajectory {tid}: {exc}", "server_error")
         except Exception as exc:  # an engine or actor error: the runner re-raises it as is
             traj.error = exc
             return _error(500, f"trajectory {tid}: {type(exc).__name__}: {exc}", "server_error")
-        return web.json_response(self._response(kind, body, reply))
+        whole = wire.response(kind, body, reply, self.model, self.tokenizer)
+        if not options.stream:
+            from aiohttp import web
+
+            return web.json_response(whole)
+        return await self._stream(request, wire.sse_events(kind, whole, options.include_usage))
+
+    async def _stream(self, request, events: list[bytes]):
+        from aiohttp import web
+
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          "Cache-Control": "no-cache"})
+        await out.prepare(request)
+        for event in events:
+            await out.write(event)
+        await out.write_eof()
+        return out
 
     async def _chat(self, request):
         return await self._serve(request, "chat")
 
     async def _completions(self, request):
         return await self._serve(request, "completions")
-
-    def _response(self, kind: str, body: dict, reply: Reply) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": reply.finish_reason}
-        tokens = self.tokenizer.convert_ids_to_tokens(reply.output_ids)
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": reply.content}
-            if reply.tool_calls:
-                choice["message"]["tool_calls"] = reply.tool_calls
-                choice["finish_reason"] = "tool_calls"
-            if body.get("logprobs"):
-                choice["logprobs"] = {"content": [
-                    {"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                    for t, lp in zip(tokens, reply.logprobs)]}
-        else:
-            choice["text"] = reply.text
-            if body.get("logprobs") is not None:
-                choice["logprobs"] = {"tokens": tokens, "token_logprobs": reply.logprobs,
-                                      "top_logprobs": None, "text_offset": None}
-        out = {"id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(8)}",
-               "object": "chat.completion" if kind == "chat" else "text_completion",
-               "created": int(time.time()), "model": self.model, "choices": [choice],
-               "usage": {"prompt_tokens": len(reply.prompt_ids),
-                         "completion_tokens": len(reply.output_ids),
-                         "total_tokens": len(reply.prompt_ids) + len(reply.output_ids)}}
-        if body.get("return_token_ids"):
-            out["prompt_token_ids"] = reply.prompt_ids
-            choice["token_ids"] = reply.output_ids
-        return out

@@ -31,11 +31,15 @@ from rl_async.base import clock
 from rl_async.engine.base import EngineError, GenerateOutput
 from rl_async.loop.faults import FailureBudget
 from rl_async.algo.seeding import sample_seed
-from rl_async.loop.trajectory import TrajectoryRunner, turn_request
+from rl_async.loop.trajectory import GroupSlot, TrajectoryRunner, turn_request
 # Re-exported: callers import the limits, stats and filter from here.
 from rl_async.loop.producer_types import ProducerLimits, ProducerStats, zero_variance  # noqa: F401
 from rl_async.loop.producer_types import OpenGroup as _OpenGroup
 from rl_async.base.types import Group, Sample
+
+# Tries of one multi-turn trajectory's turn after an engine aborted it, before the trajectory
+# (and its group) is aborted and regenerated from its row.
+TURN_RETRIES = 3
 
 
 class Producer:
@@ -305,12 +309,24 @@ class Producer:
         key = f"{og.group.group_id}/{index}"  # all turns on one engine (prefix reuse)
 
         async def turn(input_ids: list[int], max_new_tokens: int, t: int) -> GenerateOutput:
-            return await self._request(turn_request(sample, input_ids, t), key, max_new_tokens)
+            # An aborted turn (an engine lost, a publication drain past its timeout) costs
+            # that turn, not the trajectory: the same tokens are sent again (the router moves
+            # a lost engine's trajectory to another one), up to TURN_RETRIES times.
+            request = turn_request(sample, input_ids, t)
+            for _ in range(TURN_RETRIES):
+                out = await self._request(request, key, max_new_tokens)
+                if out.finish_reason != "abort" or self._stopped:
+                    return out
+                self.stats.retried_turns += 1
+                self.stats.aborted_tokens += len(out.output_ids)
+            return await self._request(request, key, max_new_tokens)
 
-        result = await self._trajectory.run(sample, turn)
+        slot = GroupSlot(og.group.group_id, index, self.limits.group_size)
+        result = await self._trajectory.run(sample, turn, slot)
         self.stats.record_trajectory(result)
         if result.finish == "abort":
             og.aborted = True
+            og.abort_reason = og.abort_reason or result.reason
 
     async def _request(self, sample: Sample, key: str, max_new_tokens: int | None = None
                        ) -> GenerateOutput:
@@ -379,7 +395,9 @@ class Producer:
                                                     str(og.error))
             elif og.aborted:
                 self.stats.aborted_groups += 1
-                await self._on_aborted(og.group)
+                # The cause, where one was given (an agent's refused call): the ledger's
+                # record, and its failure message once the retries run out.
+                await self._on_aborted(og.group, *([og.abort_reason] if og.abort_reason else []))
             elif self._filter_group is not None and (reason := self._filter_group(og.group)):
                 # A put-time filter: the prompt is done (counted as filtered); admission
                 # opens a new prompt in its place, so collections still fill.

@@ -60,6 +60,7 @@ class ProducerStats:
     turns: int = 0
     truncated_trajectories: int = 0
     env_seconds: float = 0.0
+    retried_turns: int = 0    # turns sent again after an engine aborted them
     extra: dict = field(default_factory=dict)
 
     def rollout_summary(self) -> dict[str, float]:
@@ -95,4 +96,5 @@ class OpenGroup:
     next_index: int = 0       # samples submitted so far (sample granularity)
     done: int = 0
     aborted: bool = False
+    abort_reason: str = ""    # why, where a trajectory said (else a publication or shutdown)
     error: BaseException | None = None

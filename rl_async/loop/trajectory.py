@@ -11,9 +11,11 @@ far, so the engine continues what it sampled (token-in/token-out: rl_async.algo.
 
 Ends: `done` from the environment; `max_turns` (the environment's max_turns assistant turns
 without done: truncated); `max_tokens` (rollout.max_trajectory_tokens, prompt included, leaves
-no room for another token: truncated); `abort` (an engine aborted a turn: the group is
-regenerated from its row, like any aborted sample). Truncated trajectories are scored and
-trained like finished ones, and counted.
+no room for another token: truncated); `timeout` (task.trajectory_timeout_s passed: no new
+turn starts; truncated); `abort` (a turn's engine failed past the producer's turn retries:
+the group is regenerated from its row, like any aborted sample). Truncated trajectories are
+scored and trained like finished ones, and counted. Each environment call runs under
+task.env_timeout_s (rl_async.algo.environments.call_env); model time never counts there.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from rl_async.base import clock
 from rl_async.base.types import Sample
 from rl_async.engine.base import EngineError, GenerateOutput
 
-TRUNCATED = ("max_turns", "max_tokens")
+TRUNCATED = ("max_turns", "max_tokens", "timeout")
 
 # (input_ids, max_new_tokens, turn) -> the engine's output for that turn.
 TurnGenerate = Callable[[list[int], int, int], Awaitable[GenerateOutput]]
@@ -43,19 +45,33 @@ def turn_request(sample: Sample, input_ids: list[int], turn: int) -> Sample:
 
 
 @dataclass(frozen=True)
+class GroupSlot:
+    """Which trajectory of which group a run is (environments scored per group need it)."""
+
+    group_id: str
+    index: int
+    size: int
+
+
+@dataclass(frozen=True)
 class TrajectoryLimits:
     max_response_len: int                 # tokens per assistant turn
     max_trajectory_tokens: int | None     # prompt + every turn; None = no budget
-    env_timeout_s: float
+    env_timeout_s: float                  # each environment call
+    trajectory_timeout_s: float | None = None  # the whole trajectory, wall clock
+
+    def deadline(self, start: float) -> float | None:
+        return None if self.trajectory_timeout_s is None else start + self.trajectory_timeout_s
 
 
 @dataclass
 class TrajectoryResult:
-    finish: str          # "done" | "max_turns" | "max_tokens" | "abort"
+    finish: str          # "done" | "max_turns" | "max_tokens" | "timeout" | "abort"
     turns: int
     env_seconds: float
     sampled_tokens: int
     aborted_tokens: int = 0
+    reason: str = ""     # why an aborted trajectory was aborted (the ledger records it)
 
     @property
     def truncated(self) -> bool:
@@ -75,7 +91,8 @@ class TrajectoryRunner:
         finally:
             spent[0] += clock.now() - start
 
-    async def run(self, sample: Sample, generate: TurnGenerate) -> TrajectoryResult:
+    async def run(self, sample: Sample, generate: TurnGenerate,
+                  slot: GroupSlot | None = None) -> TrajectoryResult:
         where = f"row {sample.metadata.get('where', sample.prompt_id)}"
         spent = [0.0]
         reset = await self._env("reset", (row_of(sample.metadata),), where, spent)
@@ -96,7 +113,11 @@ class TrajectoryRunner:
                 f"environment reset for {where}: the prompt is {len(sample.prompt_ids)} tokens, "
                 f"rollout.max_trajectory_tokens = {budget} leaves no room for a turn")
         finish, sampled = "max_turns", 0
+        deadline = self.limits.deadline(clock.now())
         for turn in range(self.env.max_turns):
+            if deadline is not None and clock.now() >= deadline:
+                finish = "timeout"  # task.trajectory_timeout_s: scored as it stands
+                break
             used = len(sample.prompt_ids) + len(sample.response_ids)
             room = self.limits.max_response_len
             if budget is not None:
@@ -113,7 +134,7 @@ class TrajectoryRunner:
             if out.finish_reason == "abort":
                 sample.finish_reason = "abort"
                 return TrajectoryResult("abort", sample.turns, spent[0], sampled,
-                                        len(out.output_ids))
+                                        len(out.output_ids), "an engine aborted a turn")
             self._append(sample, out.output_ids, out.output_logprobs, out.token_versions, 1)
             sampled += len(out.output_ids)
             messages.append({"role": "assistant",

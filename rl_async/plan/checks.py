@@ -15,7 +15,9 @@ from rl_async.base.allocator import applies_to
 from rl_async.algo.tasks import ENV_TASKS
 from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
+from rl_async.plan.environment_checks import template_report, trajectory_errors
 from rl_async.plan.memory import MemoryPlan, plan_memory
+from rl_async.plan.publication_budget import publication_errors
 from rl_async.plan.schedule import publication_lag_errors
 
 
@@ -250,6 +252,7 @@ _ONLY_FOR = (
     ("sglang.extra_args", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.ignore_eos", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("sglang.launch_module", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
+    ("sglang.python", lambda c: c.engine.backend == "sglang", "an SGLang setting"),
     ("rollout.max_trajectory_tokens", lambda c: c.task.name in ENV_TASKS,
      "a multi-turn environment's budget"),
     ("task.env_args", lambda c: c.task.name in ENV_TASKS, "a multi-turn environment's"),
@@ -346,22 +349,6 @@ def step_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
             if value and value % k]
 
 
-def publication_errors(cfg: RunConfig) -> list[str]:
-    """The publication deadline must leave room for its own stages: up to drain_timeout_s
-    for in-flight requests and as long again for the aborted ones, then one channel
-    deadline to form a replacement's channel and one for a bucket stuck on an engine that
-    hangs (that engine is then dropped, the others go on), then the transfer itself."""
-    p = cfg.publication
-    need = 2 * p.drain_timeout_s + 2 * p.channel_timeout_s
-    if p.timeout_s <= need:
-        return [f"publication.timeout_s = {p.timeout_s:g} must exceed 2 x "
-                f"publication.drain_timeout_s + 2 x publication.channel_timeout_s = "
-                f"{2 * p.drain_timeout_s:g} + {2 * p.channel_timeout_s:g} = {need:g} (drain, "
-                f"abort and drain again, form a replacement's channel, outwait one hung "
-                f"engine, then transfer); raise publication.timeout_s or lower the others"]
-    return []
-
-
 def architecture_errors(cfg: RunConfig) -> list[str]:
     """model.architecture must describe the checkpoint it stands in for, where it is readable."""
     m = cfg.model
@@ -377,11 +364,15 @@ def architecture_errors(cfg: RunConfig) -> list[str]:
 def validate(cfg: RunConfig) -> Report:
     plan, warnings, errors = plan_capacity(cfg)
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
-              + trainer_layout_errors(cfg, plan) + publication_errors(cfg) + step_errors(cfg, plan)
+              + trainer_layout_errors(cfg, plan) + publication_errors(cfg, plan)
+              + step_errors(cfg, plan)
               + publication_lag_errors(cfg, plan) + architecture_errors(cfg))
+    errors += trajectory_errors(cfg)
+    template_errors, template_warnings = template_report(cfg) if not errors else ([], [])
     memory, note, mem_warnings, mem_errors = (None, "", [], [])
     if not errors:  # a plan of an invalid layout would only add noise
         memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)
     return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + task_warnings(cfg)
-                  + unused_key_warnings(cfg) + storage_warnings(cfg)
-                  + mem_warnings, errors=errors + mem_errors, memory=memory, memory_note=note)
+                  + unused_key_warnings(cfg) + storage_warnings(cfg) + template_warnings
+                  + mem_warnings, errors=errors + template_errors + mem_errors, memory=memory,
+                  memory_note=note)

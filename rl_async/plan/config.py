@@ -43,7 +43,7 @@ class RunSection(Section):
     # failure_window_groups groups failed (a few always-failing prompts never stop a run).
     max_failed_group_fraction: float = Field(0.5, gt=0, le=1)
     failure_window_groups: PositiveInt = 100
-    # Bit-reproducible runs where the hardware allows (README "Reproducibility"): embedded
+    # Bit-reproducible runs where the hardware allows (docs/reproducibility.md): embedded
     # engines decode batch-invariantly (one forward per request, so a request's tokens and
     # log-probs never depend on what shares its step). Sampling seeds, canonical collection
     # order and lag-0 = sync hold without it.
@@ -139,6 +139,10 @@ class SGLangSection(Section):
     # true: responses never stop at EOS or stop ids (SGLang skips both): fixed-length
     # benchmarks only, never rollouts.
     ignore_eos: bool = False
+    # The interpreter that runs the server (`<python> -m <launch_module>`): SGLang 0.5.23
+    # pins torch 2.14.1 and transformers 5.19.0, so give it a virtual env of its own, e.g.
+    # "/opt/sglang-venv/bin/python", on every engine node. "" = the run's own interpreter.
+    python: str = ""
     # The module run as `python -m <launch_module>` (a site's wrapper around SGLang's).
     launch_module: str = "sglang.launch_server"
     # Passed through to `sglang.launch_server` as --key value.
@@ -263,6 +267,10 @@ class PublicationSection(Section):
     # Each engine's channel: joining it, and each bucket on it, must finish within this;
     # past it that engine is lost (restarted) and the others' transfers go on.
     channel_timeout_s: PositiveFloat = 60.0
+    # Trainer rank 0's sending bandwidth, for validate's deadline arithmetic only (rank 0
+    # sends the model once per engine): 2 GB/s is TCP between nodes; InfiniBand gives 10+.
+    # A past run's figure: publish/bytes x engines / publish/transfer_seconds.
+    bytes_per_s: PositiveFloat = 2e9
     # Publish once the trainer is this many optimizer updates past the engines' version
     # (1: after every collection). Each publication drains the engines (refresh.mode = off),
     # so an async run whose lag leaves room may publish less often; evaluations and the end

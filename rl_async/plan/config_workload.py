@@ -23,11 +23,23 @@ class TaskSection(Section):
     eval_path: str | None = None
     num_eval_prompts: PositiveInt = 64
     # task.name = "env": "package.module:factory" or "path/to/file.py:factory", called with
-    # env_args; every reset/step/score call must finish within env_timeout_s (a gateway
-    # environment's whole rollout). task.name = "verifiers": the module verifiers loads.
+    # env_args; every environment call (reset, step, score; a gateway environment's time
+    # between its model calls) must finish within env_timeout_s, or the group fails.
+    # task.name = "verifiers": the module verifiers loads.
     env: str | None = None
     env_args: dict[str, Any] = Field(default_factory=dict)
     env_timeout_s: PositiveFloat = 60.0
+    # A whole trajectory's wall-clock budget (model time included): once spent, no new
+    # turn starts (a gateway call answers empty) and the trajectory ends truncated,
+    # scored as it stands. Unset: no time budget (the token budget still holds).
+    trajectory_timeout_s: PositiveFloat | None = None
+    # The OpenAI-compatible gateway's largest request body: agents resend the whole
+    # conversation on every call.
+    gateway_max_body_mb: PositiveInt = 64
+    # Chat rendering (environments, chat prompts): a Jinja file replacing the model's chat
+    # template, and keyword arguments every rendering gets (e.g. enable_thinking = false).
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     # task.name = "reasoning_gym": a dataset name and its config table (size: entries
     # generated, 1000 by default; the seed is run.seed).
     dataset: str | None = None

@@ -8,7 +8,7 @@ and how they compare with measurements are in docs/memory.md; in short, per trai
     static       = weights + gradients + optimizer state            (bytes per parameter)
     activations  = per layer per token x tokens per micro-batch x layers held at once
     logits       = the last stage's [tokens, vocab / TP] logits and their gradient
-    publication  = one bucket on trainer rank 0 while a publication sends (between steps)
+    publication  = two buckets on trainer rank 0 while a publication sends (between steps)
     runtime      = CUDA context, NCCL buffers, allocator slack (a fixed allowance)
 
 and per engine GPU (SGLang): the static pool (`sglang.mem_fraction_static` of the GPU: the
@@ -34,6 +34,9 @@ ASSUMED_PROMPT_TOKENS = 512     # when rollout.max_prompt_len is unset
 RUNTIME_GB = 3.0                # CUDA context ~0.5-1, NCCL communicators ~1, allocator slack
 ENGINE_OUTSIDE_POOL_GB = 2.5    # SGLang: activations and CUDA graphs outside the static pool
 LOGITS_CHUNK = 8192             # rl_async/train/logits.py DEFAULT_CHUNK
+# Device buffers trainer rank 0 sends buckets from (rl_async/state/device_buckets.py): a
+# hung channel holds one, the others share the rest.
+PUBLICATION_DEVICE_BUCKETS = 2
 
 
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -75,14 +78,27 @@ class Dims:
         return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params
                 + self.hidden)
 
-    def activation_bytes_per_token(self, tp: int, elem: int) -> float:
+    def activation_bytes_per_token(self, tp: int, elem: int, swiglu: int = 3) -> float:
         """One layer's saved activations per token, sharded over TP (linear terms only):
         input and post-attention residuals and norm outputs (4h), q/k/v, the rotated q/k and
-        the attention context ((a + 2g) + (a + g) + a) d / t, and SwiGLU's fc1 output, its
-        product (2f + f) / t."""
+        the attention context ((a + 2g) + (a + g) + a) d / t, and SwiGLU's `swiglu` x f / t
+        (`swiglu_saved`: what the MLP path that runs keeps)."""
         d, a, g = self.head_dim, self.heads, self.kv_heads
-        elems = 4 * self.hidden + ((a + 2 * g) + (a + g) + a) * d / tp + 3 * self.ffn / tp
+        elems = 4 * self.hidden + ((a + 2 * g) + (a + g) + a) * d / tp + swiglu * self.ffn / tp
         return elems * elem
+
+
+def swiglu_saved(backend: str, fused: bool) -> int:
+    """f-sized tensors one SwiGLU MLP keeps for its backward, per token (measured on
+    megatron-core 0.16.1's own MLP by tests/unit/test_memory_plan.py):
+    megatron fused (fused_bias_swiglu.py SwiGLUFunction saves its input): the fc1 output
+      (2f) + the product fc2 reads (f) = 3;
+    megatron unfused (mlp.py glu: silu saves x_glu, a view of the fc1 output; the multiply
+      saves silu(x_glu) and x_linear + glu_linear_offset, a new tensor): 2f + f + f + f = 5;
+    Hugging Face's LlamaMLP (torch backend): gate, silu(gate), up and the product = 4."""
+    if backend == "megatron":
+        return 3 if fused else 5
+    return 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +118,8 @@ class MemoryInputs:
     max_response_len: int = 1024
     half_precision: bool = True        # model.dtype bf16 / fp16
     bucket_bytes: int = 256 * 1024 * 1024
+    # megatron's fused SwiGLU; None = on GPU (rl_async/train/megatron_model.py, the same rule)
+    activation_fusion: bool | None = None
 
 
 def inputs(cfg: RunConfig) -> MemoryInputs:
@@ -111,7 +129,7 @@ def inputs(cfg: RunConfig) -> MemoryInputs:
         tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
         transformer_impl=t.transformer_impl, recompute=t.recompute,
         micro_batch_size=t.micro_batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        prompt_tokens=_prompt_tokens(cfg), max_response_len=cfg.rollout.max_response_len,
+        prompt_tokens=_prompt_tokens(cfg), max_response_len=_response_tokens(cfg),
         half_precision=cfg.model.dtype in ("bfloat16", "float16"),
         bucket_bytes=cfg.publication.bucket_bytes)
 
@@ -151,6 +169,15 @@ def _prompt_tokens(cfg: RunConfig) -> int:
     return ASSUMED_PROMPT_TOKENS
 
 
+def _response_tokens(cfg: RunConfig) -> int:
+    """Tokens after the prompt in one sample: one turn, or a multi-turn environment's whole
+    trajectory (every turn and the environment's tokens between them)."""
+    budget = cfg.rollout.max_trajectory_tokens
+    if cfg.task.name in ("env", "verifiers") and budget is not None:
+        return max(cfg.rollout.max_response_len, budget - _prompt_tokens(cfg))
+    return cfg.rollout.max_response_len
+
+
 def _tokens_per_micro_batch(m: MemoryInputs) -> tuple[int, int]:
     """(tokens in the largest micro-batch, longest sequence)."""
     seq = m.prompt_tokens + m.max_response_len
@@ -177,7 +204,10 @@ def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
         out["gradients"] = stage_params * 4                       # grad_reduce_in_fp32
         out["optimizer"] = stage_params * ((4 if half else 0) + 8) / dp  # distributed: sharded
         elem = 2 if half else 4
-        per_token = dims.activation_bytes_per_token(tp, elem)
+        fused = (bool(m.trainer_gpus) if m.activation_fusion is None
+                 else m.activation_fusion)
+        mlp = swiglu_saved("megatron", fused)
+        per_token = dims.activation_bytes_per_token(tp, elem, mlp)
         in_flight = pp  # 1F1B: the first stage holds up to PP micro-batches' activations
         if m.recompute == "full":
             per_token = dims.hidden * elem + per_token / max(layers, 1)  # inputs + one layer
@@ -191,18 +221,20 @@ def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
         if m.recompute != "none":  # one layer's recomputed pieces exist during its backward
             out["recompute_transient"] = one_layer_scores + per_token * tokens
         out["attention"] = f"{impl}, recompute {m.recompute}"
+        out["swiglu"] = f"{'fused' if fused else 'unfused'}, {mlp}f/t saved per token"
     else:  # torch: fp32 master weights, gradients, AdamW moments and DDP's gradient buckets
         out["weights"] = dims.params * 4
         out["gradients"] = dims.params * 4
         out["optimizer"] = dims.params * 8
         out["ddp_buckets"] = dims.params * 4 if m.trainer_workers > 1 else 0.0
         elem = 2 if m.trainer_gpus else 4                          # bf16 autocast on GPU
-        out["activations"] = dims.activation_bytes_per_token(1, elem) * tokens * dims.layers
+        per_token = dims.activation_bytes_per_token(1, elem, swiglu_saved("torch", False))
+        out["activations"] = per_token * tokens * dims.layers
         # autocast keeps a bf16 copy of every weight it casts, for the backward
         out["autocast_weights"] = dims.params * 2 if m.trainer_gpus else 0.0
         out["attention"] = "sdpa (no s x s matrix kept on GPU)"
     out["logits"] = tokens * dims.vocab / tp * 4 + tokens * min(LOGITS_CHUNK, dims.vocab) * 12
-    out["publication"] = float(m.bucket_bytes)
+    out["publication"] = float(m.bucket_bytes * PUBLICATION_DEVICE_BUCKETS)
     out["runtime"] = RUNTIME_GB * GiB if m.trainer_gpus else 0.0
     return {k: float(v) if isinstance(v, (int, float)) and k not in _COUNTS else v
             for k, v in out.items()}
@@ -215,7 +247,7 @@ def engine_memory(cfg: RunConfig, dims: Dims, plan: CapacityPlan) -> dict[str, f
     pool = cfg.sglang.mem_fraction_static * gpu
     weights = dims.params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4) / tp
     kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * 2 / tp
-    seq = _prompt_tokens(cfg) + cfg.rollout.max_response_len
+    seq = _prompt_tokens(cfg) + _response_tokens(cfg)
     return {"static_pool": pool, "weights": float(weights), "kv_cache": max(pool - weights, 0.0),
             "kv_tokens": int(max(pool - weights, 0.0) // kv_per_token),
             "kv_tokens_for_all_running": plan.max_running_requests * seq,

@@ -25,7 +25,7 @@ class SimTrajectory:
         low = max(1, math.floor(self.timing.turns_mean))
         return low + int(self.rng.random() < self.timing.turns_mean - low)
 
-    async def run(self, sample: Sample, generate: TurnGenerate) -> TrajectoryResult:
+    async def run(self, sample: Sample, generate: TurnGenerate, slot=None) -> TrajectoryResult:
         turns, t = self._turns(), self.timing
         gap = max(0, round(t.env_tokens_per_gap))
         sample.response_ids, sample.behavior_logprobs = [], []

@@ -1,4 +1,10 @@
-"""torch.distributed helpers for the data-parallel trainer (gloo on CPU, NCCL on GPU)."""
+"""torch.distributed helpers for the data-parallel trainer (gloo on CPU, NCCL on GPU).
+
+The trainers' default group forms around a TCPStore that rank 0 hosts (`host_store`): its
+port is bound once and kept, so no other process can take it between choosing the port and
+binding it (a probed free port, closed and bound again by init_process_group, could be
+taken in between), and the other ranks join it at tcp://addr:port.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +13,48 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore
+
+from rl_async.state.collective import create_store
 
 
 def default_backend(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def trainer_backend(trainer_gpus: int) -> str:
+    """The trainers' backend from cluster.trainer_gpus, never from whether CUDA happens to
+    be visible: CPU DDP trainers on a GPU node must all-reduce CPU tensors over gloo."""
+    return default_backend("cuda" if trainer_gpus else "cpu")
+
+
+def host_store(timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, on an ephemeral port bound once (`.port`)."""
+    return create_store(timeout_s)
+
+
 def init_distributed(master_addr: str, master_port: int, rank: int, world_size: int,
-                     backend: str | None = None, timeout_s: float = 600.0) -> None:
+                     backend: str, timeout_s: float = 600.0,
+                     store: dist.Store | None = None) -> None:
     """Initialise the default process group (the trainer's data-parallel group).
 
     Called once per trainer process (e.g. by the Ray trainer actor) before `TorchTrainer`.
+    Rank 0 passes the `store` it hosts (host_store); the others reach it at
+    master_addr:master_port. `backend` is explicit ("gloo" or "nccl": trainer_backend).
     """
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialised in this process: call "
                            "init_distributed once per trainer process")
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend = {backend!r}: 'gloo' (CPU trainers) or 'nccl' (GPU)")
+    timeout = timedelta(seconds=timeout_s)
+    if store is not None:  # the prefix init_process_group gives a store it made itself
+        store.set_timeout(timeout)
+        dist.init_process_group(backend=backend, store=PrefixStore("default_pg", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+        return
     dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
-                            rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            rank=rank, world_size=world_size, timeout=timeout)
 
 
 def is_distributed(world_size: int) -> bool:

@@ -18,6 +18,15 @@ getter's own order (gbuf -> dtype -> bucket -> param_map), so each lands on its 
 megatron's dist_checkpointing (resharding across layouts) is the way to lift the
 same-layout restriction; not used yet (docs/engines-and-trainers.md).
 
+Where Adam keeps its step depends on the optimizer megatron-core picked: torch's AdamW (no
+Transformer Engine or Apex) keeps a `step` in each parameter's state, which the getter
+returns with the moments; Transformer Engine's FusedAdam (megatron-core uses it whenever TE
+imports: optimizer/__init__.py) keeps ONE `step` per parameter group (`group["step"] += 1`
+in FusedAdam.step) and none per parameter, so its entries have no `step` and the group's
+must be saved beside them, or a resume restarts the bias correction at step 1. Both are
+saved and restored; a checkpoint taken before the first step has no moments at all (the
+optimizer then creates them at its first step, as it would have).
+
 RNG: Python, torch (CPU and CUDA) and megatron's model-parallel CUDA RNG tracker are saved
 and restored.
 """
@@ -59,8 +68,11 @@ def save(trainer: Any, directory: str | Path, extra: dict[str, Any]) -> Path:
     }
     if trainer.cfg.use_distributed_optimizer:
         # This rank's shard of fp32 main params and Adam moments, in bucket order.
-        state["param_state"] = [opt.get_parameter_state_dp_reshardable()
-                                for opt in _distributed_parts(trainer.optimizer)]
+        parts = _distributed_parts(trainer.optimizer)
+        state["param_state"] = [opt.get_parameter_state_dp_reshardable() for opt in parts]
+        # TE's FusedAdam: the step count lives in each param group (module docstring)
+        state["group_steps"] = [[_copy(g.get("step")) for g in opt.optimizer.param_groups]
+                                for opt in parts]
     else:
         state["optimizer"] = trainer.optimizer.state_dict()
     return save_state(_rank_dir(directory), state)
@@ -77,9 +89,13 @@ def load(trainer: Any, directory: str | Path) -> dict[str, Any]:
             t.copy_(state["model"][name])
     if "optimizer" in state:  # the non-distributed optimizer: its own state dict
         trainer.optimizer.load_state_dict(state["optimizer"])
-    for part, param_state in zip(_distributed_parts(trainer.optimizer),
-                                 state.get("param_state", [])):
+    parts = _distributed_parts(trainer.optimizer)
+    for part, param_state in zip(parts, state.get("param_state", [])):
         _restore_param_state(part, param_state)
+    for part, steps in zip(parts, state.get("group_steps", [])):
+        for group, step in zip(part.optimizer.param_groups, steps):
+            if step is not None:
+                group["step"] = _copy(step)
     trainer.step, trainer.policy_version = state["step"], state["policy_version"]
     rng = state.get("rng")
     if rng is not None:
@@ -91,10 +107,15 @@ def load(trainer: Any, directory: str | Path) -> dict[str, Any]:
     return state["extra"]
 
 
+def _copy(step: Any) -> Any:
+    """A group's step: an int, or a tensor (TE's capturable mode), kept apart from the live one."""
+    return step.detach().clone() if isinstance(step, torch.Tensor) else step
+
+
 def _restore_param_state(part: Any, param_state: dict) -> None:
-    """Write a getter's entries back: main param values, and an Adam state (step, moments)
-    of their own shape, on the main param's device; then the model's (bf16) params from
-    the main ones, as megatron does after a step."""
+    """Write a getter's entries back: main param values, and an Adam state (moments, and
+    torch's per-parameter step) of their own shape, on the main param's device; then the
+    model's (bf16) params from the main ones, as megatron does after a step."""
     inner = part.optimizer
     with torch.no_grad():
         for g, maps in enumerate(part.gbuf_ranges):
@@ -108,8 +129,11 @@ def _restore_param_state(part: Any, param_state: dict) -> None:
                         group, order = part.model_param_group_index_map[model_param]
                         main = inner.param_groups[group]["params"][order]
                         main.copy_(entry["param"])
+                        # "step": torch's AdamW only (TE keeps it per group); no moments:
+                        # saved before the first step
                         inner.state[main] = {
                             k: entry[k].to(main.device).clone() if k != "step"
-                            else entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+                            else entry[k].clone()
+                            for k in ("step", "exp_avg", "exp_avg_sq") if k in entry}
     if hasattr(part, "_copy_main_params_to_model_params"):
         part._copy_main_params_to_model_params()

@@ -61,6 +61,12 @@ class MegatronParallelConfig:
     vocab_divisible_by: int = 128       # megatron pads the vocab to a multiple of this × TP
     seed: int = 0
     recompute: str = "none"             # activation recompute: none | selective | full
+    # megatron's fused SwiGLU (bias_activation_fusion): it keeps only its input for the
+    # backward (fused_bias_swiglu.py SwiGLUFunction: 3f/t saved per token) where the unfused
+    # glu keeps the fc1 output, silu(x_glu), x_linear + 0 and the product (mlp.py: 5f/t).
+    # None: fused on GPU (its kernel is torch.compile'd), unfused on CPU. The memory plan
+    # counts the same rule (rl_async/plan/memory.py swiglu_saved).
+    activation_fusion: bool | None = None
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_divisible_by"):
@@ -155,8 +161,9 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
         # rejected together with variable_seq_lengths by TransformerConfig's checks.
         moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
-        # Fused CUDA kernels only where they exist.
-        bias_activation_fusion=False,
+        # Fused CUDA kernels only where they exist; the SwiGLU one saves 2f/t per token.
+        bias_activation_fusion=(on_gpu if cfg.activation_fusion is None
+                                else cfg.activation_fusion),
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         persist_layer_norm=False,

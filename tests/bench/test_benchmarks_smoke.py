@@ -25,6 +25,8 @@ KEYS = {
     "time_to_reward.py": {"target_reward", "modes", "best_speedup"},
     "simulate_vs_real.py": {"calibrated_on", "cases"},
     "vs_trl.py": {"target_reward", "sides", "speedup"},
+    "gateway_overhead.py": {"turns", "direct_seconds", "gateway_seconds", "overhead",
+                            "overhead_http", "overhead_at_max_turns"},
 }
 
 # benchmark -> figures that must be finite and > 0 even at smoke sizes ("a.*.b": every entry

@@ -62,6 +62,8 @@ def test_short_async_run_accounts_for_everything(ray_cluster, tmp_path):
     assert [c[0] for c in curve] == [0, 2, 4]
     assert curve[0][1] < curve[1][1] < curve[2][1] and curve[-1][2] == summary["eval"]["final_reward"]
     run_dir = tmp_path / "t-async" / Path(summary["run_dir"]).name
+    # every run leaves its summary in its run directory, --summary-json or not
+    assert json.loads((Path(summary["run_dir"]) / "summary.json").read_text()) == summary
     assert summary["export_dir"] == str(run_dir / "step_000004" / "hf")
     # Checkpoints at steps 2 and 4 hold the trainer state, the ledger and the export.
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_000002", "step_000004"]
@@ -151,7 +153,7 @@ def test_killing_an_actor_mid_run_ends_in_a_clear_error(ray_cluster, victim, nam
     message = str(exc.value).lower()
     assert named in message and "died" in message, message[-2000:]
     partial = ray.get(controller.failure_summary.remote())
-    assert partial["error"]
+    assert partial["error"] and partial["run_dir"]  # the driver writes its summary.json there
     assert partial["ledger"]["unaccounted"] == 0  # the ledger lives in the prompt source
     ray.kill(controller)
 

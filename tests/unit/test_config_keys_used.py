@@ -27,6 +27,7 @@ NATIVE = {"core", "miles"}
 PLAN_ONLY = {
     "cluster.gpu_memory_gb": "the memory plan: per-GPU estimates against it",
     "model.architecture": "the memory plan where model.path is not readable",
+    "publication.bytes_per_s": "validate's publication deadline arithmetic (transfer time)",
 }
 # Keys the run reads through what is resolved from them once: the capacity plan (the one
 # source of truth for limits) or a RunConfig property (a profile-dependent default).

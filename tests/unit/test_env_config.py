@@ -38,6 +38,40 @@ def test_validate_names_what_is_wrong_with_an_environment_run(override, message)
     assert any(message in e for e in errors(override)), errors(override)
 
 
+def test_validate_bounds_the_trajectory_by_the_plan_and_the_model():
+    unbounded = load_config(DEMO, ())
+    unbounded.rollout.max_trajectory_tokens = None
+    assert any("needs rollout.max_trajectory_tokens" in e and "context length, 64" in e
+               for e in validate(unbounded).errors)
+    assert any("max_trajectory_tokens = 100 exceeds the model's context length" in e
+               for e in errors("rollout.max_trajectory_tokens=100"))
+    # The memory plan sizes a sample as the whole trajectory, not one turn.
+    from rl_async.plan.memory import inputs
+
+    cfg = load_config(DEMO, ("rollout.max_prompt_len=4",))
+    assert inputs(cfg).prompt_tokens + inputs(cfg).max_response_len == 16
+    from rl_async.algo.tasks import engine_prompt_limit
+
+    assert engine_prompt_limit(cfg) == 15  # a later turn sends the whole trajectory
+
+
+def test_validate_refuses_a_chat_template_with_no_stable_delta(tmp_path):
+    moving = tmp_path / "moving.jinja"  # the closing of a reply depends on what follows it
+    moving.write_text("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                      "{{ m['content'] }}{% if loop.last %}{{ eos_token }}{% else %}?"
+                      "{% endif %}{% else %}{{ m['content'] }}|{% endif %}{% endfor %}")
+    found = errors(f"task.chat_template={moving}")
+    assert any("gives no stable token delta" in e and "task.chat_template" in e
+               and "user follow-up" in e for e in found), found
+    unstopped = tmp_path / "unstopped.jinja"  # turns end with "|", which is no stop token
+    unstopped.write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}|"
+                         "{% endfor %}")
+    assert any("not a stop token" in e and "rollout.stop_token_ids" in e
+               for e in errors(f"task.chat_template={unstopped}"))
+    assert any("task.chat_template = 'nowhere.jinja': file not found" in e
+               for e in errors("task.chat_template=nowhere.jinja"))
+
+
 def test_an_environment_key_without_the_env_task_is_an_error():
     cfg = load_config("cluster_configs/local.toml", ("task.env=examples/envs/digit_sum.py:make_env",))
     assert any("set task.name = 'env'" in e for e in validate(cfg).errors)

@@ -13,7 +13,7 @@ from rl_async.algo.chat import ChatRenderer
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.base.types import Sample
 from rl_async.engine.base import EngineError, GenerateOutput
-from rl_async.loop.agent import AgentRunner
+from rl_async.loop.agent_runner import AgentRunner
 from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits
 from real_model import smollm2_tokenizer
@@ -106,11 +106,24 @@ def test_chat_through_a_real_openai_client_trains_exactly_the_sampled_tokens():
     assert sample.token_versions[:len(runs[0][1])] == [7] * len(runs[0][1])
 
 
-def test_a_rewritten_history_fails_the_group_with_the_cause():
-    tok, engine, gateway, runner = setup(CalculatorAgent(rewrite=True),
-                                         ["call calculator(6*7)", "42"], ["stop", "stop"])
-    with pytest.raises(EnvironmentFailure, match="message 2 differs.*append-only"):
-        run(runner, engine, gateway)
+def test_a_refused_call_aborts_the_trajectory_whatever_the_environment_returns():
+    """A rewritten history gets HTTP 400; the environment catches it and returns a reward,
+    as verifiers always does. The refusal is infrastructure, not the policy: the trajectory
+    is aborted (regenerated through the ledger with the cause), never scored."""
+
+    class Swallowing(CalculatorAgent):
+        async def rollout(self, row, endpoint):
+            try:
+                return await super().rollout(row, endpoint)
+            except openai.BadRequestError:
+                return 0.0
+
+    for env in (CalculatorAgent(rewrite=True), Swallowing(rewrite=True)):
+        tok, engine, gateway, runner = setup(env, ["call calculator(6*7)", "42"],
+                                             ["stop", "stop"])
+        sample, result = run(runner, engine, gateway)
+        assert result.finish == "abort" and sample.reward is None
+        assert "message 2 differs" in result.reason and "append-only" in result.reason
 
 
 def test_the_token_budget_truncates_and_calls_past_it_answer_empty():
@@ -148,7 +161,7 @@ def test_completions_token_and_trajectory_checks():
     traj = AgentTrajectory(ChatRenderer(tok, ()), TrajectoryLimits(8, None, 5.0), engine)
 
     async def go():
-        endpoint = await gateway.open("abc", traj)
+        endpoint = await gateway.open(traj)
         client = endpoint.openai_client()
         try:
             a = await client.completions.create(model="policy", prompt="6 x 7 =", logprobs=1)
@@ -158,7 +171,7 @@ def test_completions_token_and_trajectory_checks():
                                        default_headers=endpoint.headers, max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 await wrong.models.list()
-            other = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key,
+            other = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=gateway.token,
                                        max_retries=0)
             with pytest.raises(openai.NotFoundError, match="no open trajectory"):
                 await other.completions.create(model="policy", prompt="hi")
@@ -197,7 +210,7 @@ def test_concurrent_calls_on_one_trajectory_are_refused():
     gateway = Gateway("policy", tok)
 
     async def go():
-        endpoint = await gateway.open("abc", traj)
+        endpoint = await gateway.open(traj)
         client = endpoint.openai_client()
         try:
             first = asyncio.ensure_future(client.completions.create(model="p", prompt="a"))

@@ -15,9 +15,11 @@ SCRIPT = ROOT / "scripts" / "gpu_checks.sh"
 CHECKS = {"embedded_engine_vs_hf_generate", "torch_trainer_bf16_step",
           "megatron_tp1_step_and_round_trip", "publication_buckets", "publication_channel",
           "logprobs_chunked", "memory_plan_torch_step", "megatron_resume_and_memory",
-          "publication_two_ranks", "sglang_stop_rule"}
+          "publication_two_ranks", "sglang_stop_rule", "te_tp1_step", "resume_fused_adam",
+          "memory_swiglu", "sglang_health_rule"}
 # skipped on --cpu (and SGLang is not installed in CI)
-GPU_ONLY = {"memory_plan_torch_step", "megatron_resume_and_memory", "sglang_stop_rule"}
+GPU_ONLY = {"memory_plan_torch_step", "megatron_resume_and_memory", "sglang_stop_rule",
+            "te_tp1_step", "resume_fused_adam", "memory_swiglu", "sglang_health_rule"}
 
 
 # Imported at interpreter start-up (PYTHONPATH): Ray, SGLang and the HTTP/config stack are
@@ -62,6 +64,29 @@ def test_cpu_run_passes_every_check_without_ray_or_sglang(tmp_path):
         assert set(statuses.values()) == {"passed"}, statuses
     assert report["device"] == "cpu" and report["ray_imported"] is False
     assert report["checks"]["embedded_engine_vs_hf_generate"]["details"]["requests"] == 4
+    # the run says what it skipped and why, in the report and at the end of its output
+    assert GPU_ONLY <= set(report["skipped"])
+    assert "needs a GPU" in report["skipped"]["te_tp1_step"]
+    assert all(f"skipped {name}: " in proc.stdout for name in report["skipped"])
+
+
+def test_the_stack_checks_name_what_a_gpu_machine_lacks(tmp_path, monkeypatch):
+    """On a GPU machine without Transformer Engine or SGLang, the stack checks skip naming
+    the missing package (pretended here: the checks' own gate, on this CPU machine)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_stack as stack
+    from gpu_check_train import Skip
+
+    monkeypatch.setattr(stack, "_installed", lambda module: module == "megatron.core")
+    for check, missing in ((stack.check_te_tp1_step, "transformer_engine"),
+                           (stack.check_resume_fused_adam, "transformer_engine"),
+                           (stack.check_sglang_health_rule, "sglang")):
+        try:
+            check("cuda")
+        except Skip as exc:
+            assert f"needs {missing}, not installed here" in str(exc)
+        else:
+            raise AssertionError(f"{check.__name__} ran without {missing}")
 
 
 def test_bad_arguments_and_missing_cuda_are_refused(tmp_path):

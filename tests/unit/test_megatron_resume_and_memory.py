@@ -75,3 +75,53 @@ def test_activation_recompute_changes_memory_not_the_result(megatron_cpu, recomp
     again = trainer(cfg, parallel=parallel)
     assert again.model.module.config.recompute_granularity == recompute
     assert_same_metrics(again.train_collection(groups(11, 1), 1), plain)
+
+
+@pytest.mark.parametrize("params_dtype", ["float32", "bfloat16"])
+def test_resume_with_transformer_engines_fused_adam_keeps_the_group_step(
+        megatron_cpu, tmp_path, monkeypatch, params_dtype):
+    """With Transformer Engine installed megatron-core trains with TE's FusedAdam, which
+    keeps `step` per parameter group and none per parameter (tests/unit/te_fused_adam_double
+    .py, written from TE's fused_adam.py): the resume read a per-parameter `step`
+    (KeyError: 'step'), and without the group's step the bias correction would restart."""
+    from te_fused_adam_double import FusedAdamDouble, install
+
+    from rl_async.train import megatron_checkpoint
+    from rl_async.train import megatron_model as mm
+
+    install(monkeypatch)
+    cfg = run_config()
+    parallel = mm.MegatronParallelConfig(params_dtype=params_dtype, seed=cfg.model.init_seed)
+    first = trainer(cfg, parallel=parallel)
+    [inner] = [p.optimizer for p in megatron_checkpoint._distributed_parts(first.optimizer)]
+    assert isinstance(inner, FusedAdamDouble)  # the class megatron picked
+    first.train_collection(groups(11, 1), 1)
+    assert all("step" not in s for s in inner.state.values())
+    steps = [g["step"] for g in inner.param_groups if g["params"]]
+    assert steps and all(s >= 1 for s in steps)
+    first.save_checkpoint(tmp_path, {"version": 1})
+    uninterrupted = first.train_collection(groups(12, 2), 2)
+    want = dict(first.named_tensors_for_publication())
+
+    resumed = trainer(cfg, parallel=parallel)
+    assert resumed.load_checkpoint(tmp_path) == {"version": 1}
+    [again] = [p.optimizer for p in megatron_checkpoint._distributed_parts(resumed.optimizer)]
+    assert [g["step"] for g in again.param_groups if g["params"]] == steps
+    assert_same_metrics(resumed.train_collection(groups(12, 2), 2), uninterrupted)
+    weights = dict(resumed.named_tensors_for_publication())
+    assert all(torch.equal(weights[k], want[k]) for k in want)
+
+
+def test_a_checkpoint_before_the_first_step_resumes(megatron_cpu, tmp_path, monkeypatch):
+    """No optimizer step yet: no moments and no step anywhere; the resumed trainer's first
+    step creates them, as the uninterrupted one's does."""
+    from te_fused_adam_double import install
+
+    install(monkeypatch)
+    cfg = run_config()
+    first = trainer(cfg)
+    first.save_checkpoint(tmp_path, {"version": 0})
+    uninterrupted = first.train_collection(groups(11, 1), 1)
+    resumed = trainer(cfg)
+    resumed.load_checkpoint(tmp_path)
+    assert_same_metrics(resumed.train_collection(groups(11, 1), 1), uninterrupted)

@@ -71,3 +71,22 @@ def test_validate_names_a_wrong_dataset_or_table(override, message):
 
 def test_the_task_validates():
     assert validate(cfg()).errors == []
+
+
+def test_the_reward_scores_with_the_configured_dataset_not_the_default():
+    """decimal_arithmetic's scorer allows an error of one unit in the configured last decimal
+    place: with max_num_decimal_places = 1, an answer 0.04 off is right. The library's
+    default-config scorer (get_score_answer_fn) would call it wrong."""
+    tok = smollm2_tokenizer()
+    c = cfg("task.dataset=decimal_arithmetic",
+            "task.dataset_config={size = 40, min_num_decimal_places = 1, "
+            "max_num_decimal_places = 1}")
+    prompt = build_prompts(c.task, len(tok), "eval", tok, seed=0)[0]
+    near = str(float(prompt.metadata["answer"]) + 0.04)
+    sample = Sample(prompt_id=prompt.prompt_id, prompt_ids=[],
+                    metadata={**prompt.metadata, "response_text": f"<answer>{near}</answer>"})
+    assert reasoning_gym_reward(sample) == 1.0
+    import reasoning_gym
+
+    default = reasoning_gym.get_score_answer_fn("decimal_arithmetic")
+    assert default(near, prompt.metadata["rg_entry"]) == 0.0

@@ -120,3 +120,13 @@ def test_scorer_decodes_text_for_the_reward_and_returns_errors_in_place():
     out = asyncio.run(scorer.score_batch([good, empty]))
     assert out[0] == 1.0 and isinstance(out[1], RewardError) and "prompt 'b'" in str(out[1])
     assert scorer.metrics()["reward/failures"] == 1
+
+
+def test_inline_safe_refuses_an_async_function():
+    """An async reward is never called inline: marking one must fail, not do nothing."""
+    async def graded(sample):
+        return 1.0
+
+    with pytest.raises(TypeError, match="async function: only a plain def"):
+        inline_safe(graded)
+    assert not hasattr(graded, "rl_async_inline_safe")

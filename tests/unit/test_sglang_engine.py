@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from rl_async.engine.sglang_args import (
     SGLangEngineConfig,
     build_launch_command,
     build_launch_env,
+    die_with_parent_command,
 )
 from rl_async.engine.sglang_engine import SGLangEngine
 
@@ -401,6 +403,41 @@ def test_launch_command_and_env():
     assert "--speculative-algorithm" not in plain and "--disaggregation-mode" not in plain
     env = build_launch_env(config, {"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["PATH"] == "/bin"
+    # /health is liveness, not a generated token that waits while the engine is paused
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    venv = build_launch_command(SGLangEngineConfig(model_path="/ckpt",
+                                                   python_executable="/opt/sgl/bin/python"), 1)
+    assert venv[:3] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+
+
+def test_the_server_dies_with_its_engine_process_without_a_preexec_fn(monkeypatch):
+    """The launched command sets its own parent-death signal, then execs the server: no
+    preexec_fn runs Python between fork and exec in the (threaded) engine actor."""
+    import os
+    import subprocess
+
+    probe = [sys.executable, "-c", "import ctypes, signal; v = ctypes.c_int(); "
+             "ctypes.CDLL('libc.so.6').prctl(2, ctypes.byref(v)); print(v.value)"]
+    out = subprocess.run(die_with_parent_command(probe, os.getpid()), capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == str(int(signal.SIGKILL))
+    gone = subprocess.run(die_with_parent_command(probe, 1), capture_output=True, text=True,
+                          timeout=60)  # its parent is not pid 1: the launcher is gone
+    assert gone.returncode == 1 and "is gone" in gone.stderr
+    seen = {}
+
+    class Popen:
+        def __init__(self, cmd, **kw):
+            seen.update(cmd=cmd, **kw)
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    engine = SGLangEngine(SGLangEngineConfig(model_path="/ckpt", port=31000))
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine._launch()
+    assert "preexec_fn" not in seen and seen["start_new_session"] is True
+    assert seen["cmd"][1] == "-c" and seen["cmd"][3] == str(os.getpid())
+    assert seen["cmd"][4:7] == [sys.executable, "-m", "sglang.launch_server"]
 
 
 @pytest.mark.parametrize("kw, needle", [

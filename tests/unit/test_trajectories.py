@@ -176,7 +176,8 @@ class Failing(Endless):
 
 
 class Blocking(Endless):
-    """A plain function that blocks (run in a worker thread) until the test releases it."""
+    """A plain function that blocks until the test releases it: a timeout could only abandon
+    it in a worker thread, running on, so it is refused and never called."""
 
     def __init__(self):
         self.release, self.returned = threading.Event(), False
@@ -187,10 +188,48 @@ class Blocking(Endless):
         return [], True
 
 
+class Hanging(Endless):
+    """An async step that hangs: the timeout must stop it, not leave it running."""
+
+    def __init__(self):
+        self.started = self.stopped = False
+
+    async def step(self, messages, state):
+        self.started = True
+        try:
+            await asyncio.sleep(60)
+        finally:
+            self.stopped = True
+        return [], True
+
+
+def test_a_timed_out_environment_call_is_stopped_and_sync_methods_are_refused(tmp_path):
+    env = Hanging()
+    renderer = ChatRenderer(digit_tokenizer(), (EOS,))
+    sample = Sample(prompt_id="x", metadata={"row": {}, "where": "rows.jsonl:4"})
+
+    async def main():
+        with pytest.raises(EnvironmentFailure, match="took more than task.env_timeout_s = "
+                                                     "0.2 s \\(the call was cancelled\\)"):
+            await TrajectoryRunner(env, renderer, TrajectoryLimits(2, None, 0.2)).run(
+                sample, ScriptedEngine([[4, EOS]] * 3, ["stop"] * 3))
+        # The call is stopped by the time the failure arrives: nothing runs on.
+        return env.started, env.stopped, len(asyncio.all_tasks())
+
+    assert asyncio.run(main()) == (True, True, 1)
+    f = tmp_path / "sync_env.py"
+    f.write_text("class E:\n    max_turns = 1\n    async def reset(self, row): ...\n"
+                 "    def step(self, m, s): ...\n    async def score(self, m, s): ...\n"
+                 "def make(): return E()\n")
+    with pytest.raises(EnvironmentLoadError, match="step is a plain function.*subprocess"):
+        load_environment(f"{f}:make")
+
+
 @pytest.mark.parametrize("env, cause", [
     (Failing("raise"), "environment step for row rows.jsonl:4 raised KeyError: \"tool 'calc'"),
     (Failing("hang"), "took more than task.env_timeout_s = 0.2 s"),
-    (Blocking(), "took more than task.env_timeout_s = 0.2 s"),
+    (Blocking(), "step for row rows.jsonl:4 is a plain function; environment methods must "
+                 "be `async def`"),
     (Failing("bad"), "returned 'not a tuple': expected (new_messages, done: bool)"),
 ])
 def test_an_environment_that_raises_hangs_or_breaks_the_protocol_is_named(env, cause):
@@ -202,9 +241,7 @@ def test_an_environment_that_raises_hangs_or_breaks_the_protocol_is_named(env, c
             await TrajectoryRunner(env, renderer, TrajectoryLimits(2, None, 0.2)).run(
                 sample, ScriptedEngine([[4, EOS]] * 3, ["stop"] * 3))
         except EnvironmentFailure as exc:
-            # The failure arrives while a blocking step is still blocked (its thread is
-            # left behind; the event loop is not).
-            assert not getattr(env, "returned", False)
+            assert not getattr(env, "returned", False)  # a blocking step never ran
             return str(exc)
         finally:
             if isinstance(env, Blocking):
@@ -297,3 +334,64 @@ def test_sticky_routing_keeps_a_trajectory_on_its_engine_unless_it_is_lost():
     assert router.pick("g/0", 10) == other  # plain group affinity would have moved it
     router.set_healthy(first, False)
     assert router.pick("g/0", 10, sticky=True) == other  # lost: the trajectory moves
+
+
+def test_an_aborted_turn_costs_that_turn_not_the_group():
+    """An engine lost mid-episode (or a drain past its timeout) aborts one turn: the producer
+    sends the same tokens again (the router moves the trajectory to a live engine), the
+    aborted output is never trained and the group is not regenerated. Past the retries the
+    group is aborted with the cause."""
+    renderer = ChatRenderer(digit_tokenizer(), (EOS,))
+
+    class Two(Endless):
+        max_turns = 2
+
+        async def reset(self, row):
+            return [{"role": "user", "content": "1"}], {"turn": 0}
+
+        async def step(self, messages, state):
+            state["turn"] += 1
+            return [{"role": "user", "content": "2"}], state["turn"] == 2
+
+    def world(aborts: int):
+        inserted, aborted, requests = [], [], []
+
+        async def next_group():
+            return Group(f"g{len(inserted) + len(aborted)}",
+                         [Sample(prompt_id="p", metadata={"row": {}})])
+
+        async def generate(sample, key, max_new_tokens=None):
+            requests.append(list(sample.prompt_ids))
+            if 2 <= len(requests) <= 1 + aborts:
+                return GenerateOutput("r", [6], [-2.0], [4], "abort")  # turn 1 lost
+            return GenerateOutput("r", [4 + len(requests), EOS], [-1.0, -0.1], [3, 3], "stop")
+
+        async def put(group):
+            inserted.append(group)
+            return 8
+
+        async def on_aborted(group, reason="publication"):
+            aborted.append(reason)
+
+        async def main():
+            producer = Producer(ProducerLimits("group", 1, 1, 4), next_group=next_group,
+                                generate=generate, score=None, put=put,
+                                on_aborted=on_aborted, on_failed=None, trajectory=TrajectoryRunner(
+                                    Two(), renderer, TrajectoryLimits(2, None, 5.0)))
+            producer.set_target(1)
+            task = asyncio.create_task(producer.run())
+            while not (inserted or aborted):
+                await asyncio.sleep(0.01)
+            producer.stop()
+            await producer.wait_idle()
+            task.cancel()
+            return producer
+        return asyncio.run(main()), inserted, aborted, requests
+
+    producer, inserted, aborted, requests = world(aborts=1)
+    assert len(inserted) == 1 and not aborted and producer.stats.retried_turns == 1
+    assert requests[1] == requests[2]  # the same tokens sent again
+    s = inserted[0].samples[0]
+    assert 6 not in [t for t, m in zip(s.response_ids, s.loss_mask) if m]  # never trained
+    producer, inserted, aborted, requests = world(aborts=4)
+    assert aborted == ["an engine aborted a turn"]  # the ledger regenerates it, with why

@@ -10,9 +10,11 @@ import pytest
 from rl_async.algo.chat import ChatRenderer, digit_tokenizer
 from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.verifiers_env import make_agent, rows
-from rl_async.loop.agent import AgentRunner
+from rl_async.loop.agent_runner import AgentRunner
 from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits
+from rl_async.base.types import Sample
+from rl_async.engine.base import GenerateOutput
 from rl_async.plan.checks import validate
 from rl_async.plan.load import load_config
 from real_model import smollm2_tokenizer
@@ -106,3 +108,73 @@ def test_an_empty_reply_is_the_policys_outcome_and_is_trained_with_reward_0():
                           rows(agent.env, "train")[0])
     assert (result.turns, sample.reward, agent.policy_errors) == (1, 0.0, 1)
     assert sample.response_ids == [d("</s>")] and sample.loss_mask == [1]
+
+
+def test_lazily_built_datasets_are_the_train_and_eval_rows():
+    agent = make_agent("vf_group")
+    assert agent.env.dataset is None and agent.env.eval_dataset is None  # builders, unbuilt
+    assert [r["answer"] for r in rows(agent.env, "train")] == ["0", "1", "2", "3", "4"]
+    assert [r["answer"] for r in rows(agent.env, "eval")] == ["5", "6", "7", "8", "9"]
+
+
+def test_a_group_reward_rubric_scores_the_group_in_one_run_group_call():
+    """Three trajectories of one row, each through its own gateway trajectory; the rubric's
+    group function sees all three (the only right one gets its bonus)."""
+    import asyncio
+
+    from rl_async.loop.trajectory import GroupSlot
+
+    agent = make_agent("vf_group")
+    assert agent.group_scored
+    row = rows(agent.env, "train")[3]       # answer "3"
+    tok = digit_tokenizer()
+    d = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    replies = {0: [d("3"), d("</s>")], 1: [d("7"), d("</s>")], 2: [d("1"), d("</s>")]}
+    gateway = Gateway("policy", tok)
+    runner = AgentRunner(agent, ChatRenderer(tok, (d("</s>"),)),
+                         TrajectoryLimits(8, None, 20.0), gateway)
+
+    async def go():
+        samples = [Sample(prompt_id="p", metadata={"row": row, "where": "vf"}) for _ in range(3)]
+
+        def engine(i):
+            async def generate(ids, n, turn):
+                return GenerateOutput(f"{i}", replies[i], [-0.5] * 2, [1, 1], "stop")
+            return generate
+
+        try:
+            results = await asyncio.gather(*(runner.run(s, engine(i), GroupSlot("g", i, 3))
+                                             for i, s in enumerate(samples)))
+        finally:
+            await gateway.stop()
+        return samples, results
+
+    samples, results = asyncio.run(go())
+    assert [s.reward for s in samples] == [1.5, 0.0, 0.0]
+    assert [s.response_ids for s in samples] == [replies[0], replies[1], replies[2]]
+    assert all(r.finish == "done" for r in results)
+
+
+def test_infrastructure_errors_are_judged_by_the_chain_and_abort():
+    from rl_async.algo.verifiers_env import judge_error
+
+    chain = lambda s: {"error": s.split(" -> ")[0], "message": "m",  # noqa: E731
+                       "error_chain_repr": s, "error_chain_str": s}
+    assert judge_error(chain("EmptyModelResponseError")) == "policy"
+    assert judge_error(chain("ModelError -> BadRequestError")) == "infrastructure"
+    assert judge_error(chain("ModelError -> APIConnectionError")) == "infrastructure"
+    assert judge_error(chain("ToolCallError -> SandboxError")) == "infrastructure"
+    assert judge_error(chain("RuntimeError")) == "bug"
+
+
+def test_a_refused_call_inside_verifiers_aborts_instead_of_training_reward_0():
+    """verifiers catches the gateway's 400 (ModelError from BadRequestError) and scores the
+    rollout 0: before, that was trained as the policy's outcome."""
+    agent = make_agent("vf_digits")
+    tok = digit_tokenizer()
+    d = lambda s: tok.convert_tokens_to_ids(s)  # noqa: E731
+    engine = ScriptedEngine([[d("7"), d("</s>")], [d("0"), d("</s>")]], ["stop", "stop"])
+    agent.sampling_args = {"max_tokens": 2, "stop": ["x"] * 5}  # 5 stops: refused by name
+    sample, result = play(agent, tok, ChatRenderer(tok, (d("</s>"),)), engine,
+                          rows(agent.env, "train")[0])
+    assert result.finish == "abort" and "stop = " in result.reason and sample.reward is None
