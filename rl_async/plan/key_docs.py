@@ -339,6 +339,9 @@ KEYS: dict[str, Doc] = {
     "reward.concurrency": Doc("reward calls in flight at once", "calls"),
     "reward.placement": Doc("'auto', 'actor' (the reward actor) or 'producer' (no round "
                             "trip)", rule="producer refused with a judge"),
+    "reward.isolation": Doc("where a sync reward function runs: 'process' (a worker process "
+                            "that reward.timeout_s kills) or 'thread' (shares the process; a "
+                            "timeout abandons the call)"),
     # [eval]
     "eval.every_steps": Doc("updates between evaluations; 0 = at start and end only",
                             "updates", "a multiple of the updates per collection"),
