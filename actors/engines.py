@@ -14,7 +14,7 @@ import ray
 
 from rl_async.plan.config import RunConfig
 from rl_async.algo.tasks import engine_prompt_limit
-from rl_async.base.allocator import apply_for
+from rl_async.base.allocator import apply_for, rss_bytes
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
 from rl_async.loop.monitor import LoopMonitor
 
@@ -183,6 +183,7 @@ class EngineActor:
                 # every thread of this process (the forward's too): rl_async/loop/threads.py
                 f"{prefix}/cpu_seconds": time.process_time(),
                 f"{prefix}/memory_reused": float(self.allocator == "on"),
+                f"{prefix}/rss_bytes": rss_bytes(),
                 **({f"{prefix}/threads": float(self.engine.stats["threads"])}
                    if "threads" in getattr(self.engine, "stats", {}) else {}),
                 f"{prefix}/running": float(load.running),

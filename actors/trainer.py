@@ -14,7 +14,7 @@ import torch
 
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
-from rl_async.base.allocator import apply_for
+from rl_async.base.allocator import apply_for, rss_bytes
 from rl_async.loop.threads import initial_split
 from rl_async.state.models import resolve_dtype
 from rl_async.state.hf_export import export_hf
@@ -121,7 +121,8 @@ class TrainerWorker:
         # this process's CPU, every thread (publication's sends too): the thread balancer's
         return {**metrics, "trainer/cpu_seconds": time.process_time(),
                 "trainer/threads": float(torch.get_num_threads()),
-                "trainer/memory_reused": float(self.allocator == "on")}
+                "trainer/memory_reused": float(self.allocator == "on"),
+                "trainer/rss_bytes": rss_bytes()}
 
     def _hf_tensors(self):
         """The policy's HF-named tensors on rank 0 (an iterable); None elsewhere. megatron

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import resource
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -69,3 +71,13 @@ def _apply() -> str:
     if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES):
         return "unavailable: mallopt(M_TRIM_THRESHOLD) refused"
     return "on"
+
+
+def rss_bytes() -> float:
+    """This process's resident memory now (bytes, /proc/self/statm), for the per-process
+    `engine/<i>/rss_bytes` and `trainer/rss_bytes` metrics; the peak where /proc is absent."""
+    try:
+        with open("/proc/self/statm") as f:
+            return float(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    except OSError:  # not Linux: ru_maxrss is the peak (KiB on Linux, bytes on macOS)
+        return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)

@@ -40,6 +40,8 @@ POSITIVE = {
     "vs_trl.py": ["sides.*.seconds_per_update_median", "sides.*.generated_samples_per_update",
                   "sides.*.trained_samples_per_update"],
     "buffer_ops.py": ["us_per_group.*"],
+    "allocator_memory.py": ["local.seconds_ratio", "local.reuse.engine.peak",
+                            "local.system.trainer.peak"],
 }
 
 pytestmark = pytest.mark.ray

@@ -186,7 +186,10 @@ def test_set_threads_reaches_the_threads_that_compute(ray_cluster):
             assert (await fleet.metrics())["engine/0/threads"] == 1.0
             # cluster.cpu_allocator = reuse (the default) reached both processes (glibc here)
             assert first["trainer/memory_reused"] == 1.0
-            assert (await fleet.metrics())["engine/0/memory_reused"] == 1.0
+            metrics = await fleet.metrics()
+            assert metrics["engine/0/memory_reused"] == 1.0
+            # each process's own resident memory (torch alone is over 100 MB resident)
+            assert first["trainer/rss_bytes"] > 100e6 and metrics["engine/0/rss_bytes"] > 100e6
             await fleet.set_threads(2, 2)
             await fleet.evaluate()  # engine steps after the change
             assert (await fleet.metrics())["engine/0/threads"] == 2.0

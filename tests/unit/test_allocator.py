@@ -48,12 +48,27 @@ def test_reuse_serves_tensors_from_the_heap_not_fresh_mappings():
     assert state == "on" and mapped == 0  # from the heap, whose freed blocks are reused
 
 
-def test_reuse_is_applied_once_and_says_why_not_elsewhere():
-    from rl_async.base import allocator
+def test_reuse_says_on_or_why_not_in_a_process_of_its_own():
+    # a subprocess: mallopt is process-wide and would change every later test's allocator
+    probe = ("from rl_async.base import allocator as a; first = a.reuse_freed_memory(); "
+             "print(first == a.reuse_freed_memory(), first)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split(maxsplit=1)
+    assert out[0] == "True"
+    assert out[1].strip() == "on" if GLIBC else out[1].startswith("unavailable: ")
 
-    first = allocator.reuse_freed_memory()
-    assert allocator.reuse_freed_memory() == first
-    assert first == "on" if GLIBC else first.startswith("unavailable: ")
+
+def test_rss_bytes_is_this_process_resident_memory():
+    import psutil
+
+    from rl_async.base.allocator import rss_bytes
+
+    before = rss_bytes()
+    block = bytearray(64 * 1024 * 1024)  # 64 MiB, touched
+    grown = rss_bytes()
+    assert grown - before > 60 * 1024 * 1024
+    assert abs(grown - psutil.Process().memory_info().rss) < 8 * 1024 * 1024
+    del block
 
 
 def test_cpu_allocator_key_is_validated_and_named_where_unused():
