@@ -27,6 +27,7 @@ KEYS = {
     "vs_trl.py": {"target_reward", "sides", "speedup"},
     "gateway_overhead.py": {"turns", "direct_seconds", "gateway_seconds", "overhead",
                             "overhead_http", "overhead_at_max_turns"},
+    "allocator_memory.py": {"local", "benchmark_seconds"},
 }
 
 # benchmark -> figures that must be finite and > 0 even at smoke sizes ("a.*.b": every entry
