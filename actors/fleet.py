@@ -299,7 +299,11 @@ class RayFleet(FleetPublication):
         an engine that fails the call is lost like any engine call."""
         self.engine_threads = engine
         await self._on_live_engines(lambda e: e.set_threads.remote(engine), "set_threads")
-        await self.bounded(asyncio.gather(*(t.set_threads.remote(trainer)
+        await self.set_trainer_threads(trainer)
+
+    async def set_trainer_threads(self, threads: int) -> None:
+        """torch threads per trainer worker from the next collection on (also replay's)."""
+        await self.bounded(asyncio.gather(*(t.set_threads.remote(threads)
                                             for t in self.trainers)), "trainer.set_threads")
 
     async def evaluate(self) -> dict[str, float]:
@@ -333,9 +337,10 @@ class RayFleet(FleetPublication):
             self.cfg.run.keep_checkpoints)
         return str(final)
 
-    async def record_trained(self, step: int, version: int, groups: list[Group]) -> None:
+    async def record_trained(self, step: int, version: int, groups: list[Group],
+                             trainer_threads: int | None = None) -> None:
         ckpts.append_trained(self.run_dir, step, version, [
-            (g.group_id, g.attempt, g.oldest_version()) for g in groups])
+            (g.group_id, g.attempt, g.oldest_version()) for g in groups], trainer_threads)
         if self.cfg.run.record_rollouts:  # for `rl-async replay` (rl_async/state/rollouts.py)
             await asyncio.to_thread(rollouts.write_collection, self.run_dir, step, version,
                                     groups)

@@ -2,10 +2,11 @@
 weights come out bit-identical.
 
 The run must have been made with `run.record_rollouts = true`. Replay builds a fresh trainer
-group with the run's own config and layout (same ranks, same data-parallel shards, same
-threads), feeds it every recorded collection in trained.jsonl order at the policy version it
-was trained at, exports the policy and compares it, byte for byte, with the export of the
-run's latest checkpoint. No engine, producer or reward runs: the recorded groups ARE the data.
+group with the run's own config and layout (same ranks, same data-parallel shards), feeds it
+every recorded collection in trained.jsonl order at the policy version it was trained at and
+with the torch threads it was trained with (the thread balancer, or a resume with another
+cluster.trainer_cpus, changes them mid-run), exports the policy and compares it, byte for
+byte, with the export of the run's latest checkpoint. No engine, producer or reward runs: the recorded groups ARE the data.
 This is what makes an async run at lag >= 1 (where timing decided which version sampled each
 group) reproducible after the fact, and it tells a trainer-side nondeterminism apart from a
 generation-side one.
@@ -57,12 +58,18 @@ async def _replay(cfg, plan, run: Path, entries: list[dict], checkpoint: Path,
     try:
         fleet.place_trainers()
         await fleet.setup_trainers()
+        threads = []  # what each collection was replayed with, as the trainer reports it
         for e in entries:
             version, groups = rollouts.read_collection(run, e["step"])
-            await fleet.train(groups, version)
+            if e.get("trainer_threads"):  # recorded by runs on CPU trainers
+                await fleet.set_trainer_threads(int(e["trainer_threads"]))
+            metrics = await fleet.train(groups, version)
+            threads.append(int(metrics["trainer/threads"]) if "trainer/threads" in metrics
+                           else None)
         export = await fleet.export(str(out_dir / "hf"))
     finally:
         await fleet.shutdown()
     result = rollouts.compare_exports(export, checkpoint / "hf")
     return {"run_dir": str(run), "steps": entries[-1]["step"], "collections": len(entries),
-            "replay_export": export, "run_export": str(checkpoint / "hf"), **result}
+            "trainer_threads": threads, "replay_export": export,
+            "run_export": str(checkpoint / "hf"), **result}

@@ -190,12 +190,17 @@ def trim_trained_log(run_dir: str | os.PathLike, step: int) -> None:
 
 
 def append_trained(run_dir: str | os.PathLike, step: int, version: int,
-                   groups: list[tuple[str, int, int | None]]) -> None:
+                   groups: list[tuple[str, int, int | None]],
+                   trainer_threads: int | None = None) -> None:
     """One line per collection: the optimizer step it brought the trainer to, the policy
-    version it was trained at, and (group_id, attempt, oldest sampling version) per group."""
+    version it was trained at, (group_id, attempt, oldest sampling version) per group, and
+    the torch threads each trainer worker trained it with (CPU: thread counts split
+    reductions, so `rl-async replay` trains each collection with its own)."""
+    entry = {"step": step, "trained_at_version": version, "groups": [list(g) for g in groups]}
+    if trainer_threads is not None:
+        entry["trainer_threads"] = trainer_threads
     with open(Path(run_dir) / TRAINED_LOG, "a") as f:
-        f.write(json.dumps({"step": step, "trained_at_version": version,
-                            "groups": [list(g) for g in groups]}) + "\n")
+        f.write(json.dumps(entry) + "\n")
 
 
 def keep_schedule_horizon(saved: dict, cfg):

@@ -104,3 +104,23 @@ def test_an_async_lag1_run_replays_bit_identically(ray_cluster, tmp_path):
     assert result["collections"] == 4 and result["steps"] == 4
     assert result["identical"], result
     assert result["run_export"] == summary["export_dir"]
+
+
+def test_a_run_whose_trainer_threads_changed_replays_bit_identically(ray_cluster, tmp_path):
+    """A thread count can split CPU reductions (BLAS dot products do here): replay trains
+    each collection with the threads it was trained with. The thread balancer changes them
+    mid-run; so does a resume with another cluster.trainer_cpus, which this test uses
+    because it is deterministic."""
+    first = run(tmp_path, "cluster_configs/local.toml", "threads",
+                "async.max_weight_staleness=1", "run.max_steps=2")
+    cfg = load_config("cluster_configs/local.toml", [
+        *SMALL, "run.name=threads", f"run.output_dir={tmp_path}", "wandb.mode=disabled",
+        "async.max_weight_staleness=1", "cluster.trainer_cpus=2"])
+    out = tmp_path / "resumed.json"
+    assert run_training(cfg, validate(cfg), str(out), resume=str(first[1])) == 0
+    run_dir = Path(json.loads(out.read_text())["run_dir"])
+    steps = [json.loads(line) for line in trained(run_dir)]
+    assert [e.get("trainer_threads") for e in steps] == [1, 1, 2, 2]
+    result = replay(str(run_dir), str(tmp_path / "replayed"))
+    assert result["trainer_threads"] == [1, 1, 2, 2]  # each collection with its own
+    assert result["collections"] == 4 and result["identical"], result

@@ -129,7 +129,7 @@ class InProcessFleet:
         await asyncio.sleep(self.rng.uniform(0, 0.004))
         return {}
 
-    async def record_trained(self, step, version, groups):
+    async def record_trained(self, step, version, groups, trainer_threads=None):
         self.disk.trained.append((step, [g.group_id for g in groups]))
 
     async def evaluate(self):
