@@ -338,9 +338,9 @@ class RayFleet(FleetPublication):
         return str(final)
 
     async def record_trained(self, step: int, version: int, groups: list[Group],
-                             trainer_threads: int | None = None) -> None:
+                             info: dict | None = None) -> None:
         ckpts.append_trained(self.run_dir, step, version, [
-            (g.group_id, g.attempt, g.oldest_version()) for g in groups], trainer_threads)
+            (g.group_id, g.attempt, g.oldest_version()) for g in groups], info)
         if self.cfg.run.record_rollouts:  # for `rl-async replay` (rl_async/state/rollouts.py)
             await asyncio.to_thread(rollouts.write_collection, self.run_dir, step, version,
                                     groups)

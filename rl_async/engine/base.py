@@ -87,6 +87,23 @@ class GenerateOutput:
     # round trip outside the engine (the simulator's calibration).
     engine_seconds: float | None = None
 
+    def check(self, where: str) -> None:
+        """A reply the trainer can use: one log-prob and one version per token, and every
+        log-prob finite. A malformed reply fails its request (and so its group)
+        here, naming `where`, instead of reaching an optimizer step: one NaN behaviour
+        log-prob made the whole step's update non-finite, and the step was skipped."""
+        n = len(self.output_ids)
+        if not (n == len(self.output_logprobs) == len(self.token_versions)):
+            raise EngineError(f"engine reply for {where} is malformed: {n} tokens, "
+                              f"{len(self.output_logprobs)} log-probs, "
+                              f"{len(self.token_versions)} versions")
+        bad = next((i for i, lp in enumerate(self.output_logprobs)
+                    if not math.isfinite(lp)), None)
+        if bad is not None:
+            raise EngineError(f"engine reply for {where} is malformed: log-prob "
+                              f"{self.output_logprobs[bad]!r} at token {bad} (token id "
+                              f"{self.output_ids[bad]}); log-probs must be finite")
+
 
 @dataclass
 class EngineLoad:

@@ -50,7 +50,7 @@ class Fleet(PublicationOps, Protocol):
     async def evaluate(self) -> dict[str, float]: ...
     async def checkpoint(self, step: int, version: int) -> str: ...
     async def record_trained(self, step: int, version: int, groups: list[Group],
-                             trainer_threads: int | None = None) -> None: ...
+                             info: dict | None = None) -> None: ...
     async def metrics(self) -> dict[str, float]: ...
     async def ledger(self) -> dict[str, int]: ...
     async def progress_marker(self) -> int: ...
@@ -132,13 +132,18 @@ class Controller:
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),
                                             f"training the collection at version {self.version}")
         train_s = clock.now() - train_start
-        p.nonfinite_updates += int(train_metrics.get("train/nonfinite_updates", 0))
+        skipped = int(train_metrics.get("train/nonfinite_updates", 0))
+        p.nonfinite_updates += skipped
         trained_at = self.version
-        self.version += self.plan.optimizer_steps_per_collection
-        p.step += self.plan.optimizer_steps_per_collection
-        threads = train_metrics.get("trainer/threads")  # CPU trainers report theirs
-        await self.fleet.record_trained(p.step, trained_at, groups,
-                                        None if threads is None else int(threads))
+        updates = self.plan.optimizer_steps_per_collection
+        self.version += updates
+        p.step += updates
+        # a skipped update's samples reached no weights: the trained log says so
+        p.trained_samples += sum(len(g.samples) for g in groups) * (updates - skipped) // updates
+        info = {"skipped_updates": skipped} if skipped else {}
+        if "trainer/threads" in train_metrics:  # CPU trainers report theirs (replay uses it)
+            info["trainer_threads"] = int(train_metrics["trainer/threads"])
+        await self.fleet.record_trained(p.step, trained_at, groups, info)
         pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
@@ -239,7 +244,6 @@ class Controller:
         p.staleness_groups += len(ages)
         p.trainer_wait_seconds += wait
         p.useful_tokens += tokens
-        p.trained_samples += sum(len(g.samples) for g in groups)
         elapsed = max(1e-9, clock.now() - self._start)
         return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,

@@ -367,10 +367,7 @@ class Producer:
 
     async def _generate_sample(self, og: _OpenGroup, sample: Sample) -> None:
         out = await self._request(sample, og.group.group_id)
-        if not (len(out.output_ids) == len(out.output_logprobs) == len(out.token_versions)):
-            raise EngineError(
-                f"engine reply for group {og.group.group_id!r} is malformed: {len(out.output_ids)} "
-                f"tokens, {len(out.output_logprobs)} log-probs, {len(out.token_versions)} versions")
+        out.check(f"group {og.group.group_id!r}")
         sample.response_ids = list(out.output_ids)
         sample.behavior_logprobs = list(out.output_logprobs)
         sample.token_versions = list(out.token_versions)

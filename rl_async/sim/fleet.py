@@ -282,7 +282,7 @@ class SimFleet:
         return {}
 
     async def record_trained(self, step: int, version: int, groups: list[Group],
-                             trainer_threads: int | None = None) -> None:
+                             info: dict | None = None) -> None:
         # The controller's own per-collection time (a real run's actor round trips and
         # logging), measured by --calibrate; it sits here, between training and publishing.
         plan, t = self.plan, self.timings

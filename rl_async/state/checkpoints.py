@@ -191,14 +191,14 @@ def trim_trained_log(run_dir: str | os.PathLike, step: int) -> None:
 
 def append_trained(run_dir: str | os.PathLike, step: int, version: int,
                    groups: list[tuple[str, int, int | None]],
-                   trainer_threads: int | None = None) -> None:
+                   info: dict[str, Any] | None = None) -> None:
     """One line per collection: the optimizer step it brought the trainer to, the policy
     version it was trained at, (group_id, attempt, oldest sampling version) per group, and
-    the torch threads each trainer worker trained it with (CPU: thread counts split
-    reductions, so `rl-async replay` trains each collection with its own)."""
-    entry = {"step": step, "trained_at_version": version, "groups": [list(g) for g in groups]}
-    if trainer_threads is not None:
-        entry["trainer_threads"] = trainer_threads
+    `info`: `trainer_threads`, the torch threads each trainer worker trained it with (CPU:
+    `rl-async replay` trains each collection with its own), and `skipped_updates`, its
+    optimizer updates the non-finite guard skipped (their groups reached no weights)."""
+    entry = {"step": step, "trained_at_version": version, "groups": [list(g) for g in groups],
+             **(info or {})}
     with open(Path(run_dir) / TRAINED_LOG, "a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -283,7 +283,10 @@ class MegatronTrainer:
         ok, grad_norm = False, norm
         if took:
             ok, grad_norm, _ = self.optimizer.step()
-            self.step += 1
+            # megatron may skip the update itself (a grad scaler's found_inf): then nothing
+            # moved, as when the guard skips, and the step and schedule stay where they were
+            took = bool(ok)
+            self.step += int(took)
         else:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()

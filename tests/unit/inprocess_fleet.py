@@ -22,9 +22,12 @@ class Disk:
     """What survives a crash: complete checkpoints and the trained log (as in rl_async.state.checkpoints)."""
     checkpoints: list[dict] = field(default_factory=list)
     trained: list[tuple[int, list[str]]] = field(default_factory=list)  # (step, group ids)
+    info: list[dict] = field(default_factory=list)  # each trained line's info
 
     def trim(self, step: int) -> None:
-        self.trained = [t for t in self.trained if t[0] <= step]
+        kept = [i for i, t in enumerate(self.trained) if t[0] <= step]
+        self.trained = [self.trained[i] for i in kept]
+        self.info = [self.info[i] for i in kept]
 
 
 class FakeEngine:
@@ -57,7 +60,8 @@ class InProcessFleet:
         n = plan.group_size
         self.book = PromptLedger(
             lambda c: Group(f"c{c}", [Sample(f"p{c}", prompt_ids=[1, c % 7 + 2])
-                                      for _ in range(n)]), max_retries=50)
+                                      for _ in range(n)]),
+            cfg.async_.max_retries, cfg.async_.unused_samples_handler)  # as the prompt source
         version = 0
         if resume is not None:
             self.book.load_state_dict(copy.deepcopy(resume["ledger"]))
@@ -129,16 +133,17 @@ class InProcessFleet:
         await asyncio.sleep(self.rng.uniform(0, 0.004))
         return {}
 
-    async def record_trained(self, step, version, groups, trainer_threads=None):
+    async def record_trained(self, step, version, groups, info=None):
         self.disk.trained.append((step, [g.group_id for g in groups]))
+        self.disk.info.append(dict(info or {}))
 
     async def evaluate(self):
         await asyncio.sleep(self.rng.uniform(0, 0.002))
         return {"reward": 0.0}
 
     async def checkpoint(self, step, version):
-        await asyncio.sleep(self.rng.uniform(0, 0.002))  # the trainer writes ...
-        state = self.book.state_dict()  # ... then everything lands at once (the rename)
+        state = self.book.state_dict()  # the ledger first, as RayFleet.checkpoint ...
+        await asyncio.sleep(self.rng.uniform(0, 0.002))  # ... then the trainer writes ...
         self.disk.checkpoints.append({"step": step, "version": version, "ledger": state})
         return f"step_{step}"
 

@@ -83,4 +83,47 @@ def test_megatron_skips_a_nonfinite_update(megatron_cpu):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_an_update_megatron_skips_itself_is_not_counted_as_taken(megatron_cpu):
+    """optimizer.step() answers ok = False when megatron skips the update on its own (an fp16
+    grad scaler's found_inf): the step, the lr schedule and the guard must not count it."""
+    from test_megatron_resume_and_memory import trainer as megatron_trainer
+    from test_megatron_trainer import groups, run_config
+
+    meg = megatron_trainer(run_config())
+    meg.optimizer.step = lambda: (False, 0.0, None)  # what megatron returns when it skips
+    metrics = meg.train_collection(groups(11, 1), 1)
+    assert metrics["train/nonfinite_updates"] == 2 and meg.step == 0
+    assert meg.guard.skipped == 2
+
+
 from megatron_cpu_shims import megatron_cpu  # noqa: E402,F401  (fixture)
+
+
+def test_a_skipped_update_is_marked_in_the_trained_log_and_not_counted_as_trained():
+    """A non-finite update reached no weights: its collection's line in trained.jsonl says so
+    (`skipped_updates`), and throughput.trained_samples leaves its samples out."""
+    import asyncio
+
+    from inprocess_fleet import Disk, InProcessFleet
+
+    from rl_async.loop.controller import Controller
+    from rl_async.plan.capacity import plan_capacity
+    from rl_async.plan.load import load_config
+
+    cfg = load_config("cluster_configs/dev.toml", [
+        "run.max_steps=3", "rollout.rollout_batch_size=2", "rollout.n_samples_per_prompt=2",
+        "train.global_batch_size=4", "train.micro_batch_size=4", "sglang.max_running_requests=2",
+        "wandb.mode=disabled"])
+    plan = plan_capacity(cfg)[0]
+    disk = Disk()
+    fleet = InProcessFleet(cfg, plan, disk, seed=0)
+    calls = []
+
+    async def train(groups, version):
+        calls.append(version)
+        return {"train/nonfinite_updates": 1.0} if len(calls) == 2 else {}
+    fleet.train = train
+    summary = asyncio.run(Controller(cfg, plan, fleet, lambda m, s: None).run())
+    assert [i.get("skipped_updates", 0) for i in disk.info] == [0, 1, 0]
+    assert summary["throughput"]["trained_samples"] == 2 * 4
+    assert summary["faults"]["nonfinite_updates"] == 1

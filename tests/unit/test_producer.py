@@ -220,12 +220,17 @@ def test_generation_gate_drains_and_blocks_requests():
     asyncio.run(main())
 
 
-def test_malformed_engine_reply_fails_the_group_with_its_cause():
+@pytest.mark.parametrize("reply, needle", [
+    (GenerateOutput("r", [1, 2], [-0.1], [0, 0], "stop"), "2 tokens, 1 log-probs"),
+    # one NaN behaviour log-prob used to reach the optimizer and skip the whole step
+    (GenerateOutput("r", [1, 2], [-0.1, float("nan")], [0, 0], "stop"), "log-prob nan at token 1"),
+])
+def test_malformed_engine_reply_fails_the_group_with_its_cause(reply, needle):
     async def main():
         w = World(group_size=1)
 
         async def bad(sample, gid):
-            return GenerateOutput("r", [1, 2], [-0.1], [0, 0], "stop")
+            return reply
         w.generate = bad
         p = w.producer("sample", budget=1, http=1)
         p.set_target(1)
@@ -233,7 +238,7 @@ def test_malformed_engine_reply_fails_the_group_with_its_cause():
         p.stop()
         await task
         assert not w.buffer
-        assert "malformed" in w.failed[0][1] and "2 tokens, 1 log-probs" in w.failed[0][1]
+        assert "malformed" in w.failed[0][1] and needle in w.failed[0][1]
     asyncio.run(main())
 
 

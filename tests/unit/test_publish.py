@@ -185,7 +185,7 @@ class FakeFleet(FakeOps):
     async def evaluate(self):
         return {"reward": 0.0}
 
-    async def record_trained(self, step, version, groups, trainer_threads=None): ...
+    async def record_trained(self, step, version, groups, info=None): ...
     async def progress_marker(self): return self.trains
     async def diagnosis(self): return {}
     async def faults(self): return {}
