@@ -179,6 +179,9 @@ class RayFleet(FleetPublication):
             await asyncio.gather(*(t.load_checkpoint.remote(r.path) for t in self.trainers))
             await self.source.load_state_dict.remote(r.ledger)
             ckpts.trim_trained_log(self.run_dir, r.step)
+            for moved in ckpts.abandon_later_checkpoints(self.run_dir, r.step):
+                print(f"[rl-async] resuming from step {r.step}: the later checkpoint of the "
+                      f"abandoned lineage is kept as {moved}", flush=True)
             version = r.version
         self.eval_prompts = await self.source.get_eval_prompts.remote()
         # Engines start from exactly the trainer's (restored) weights; under the publication

@@ -88,10 +88,35 @@ def finalize(run_dir: str | os.PathLike, step: int, meta: dict[str, Any], keep: 
         shutil.rmtree(final)
     os.replace(staged, final)
     _write_json_atomic(run_dir / LATEST, step_name(step))
+    for leftover in run_dir.glob(".step_*.deleting"):  # a crash mid-prune: finish it
+        shutil.rmtree(leftover)
     if keep:
         for old in complete_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old)
+            remove_checkpoint(old)
     return final
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that a crash midway never leaves one that looks complete: it is
+    first renamed out of the `step_*` namespace (one atomic rename), then deleted (a leftover
+    `.deleting` directory is finished off by the next finalize)."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed)
+
+
+def abandon_later_checkpoints(run_dir: str | os.PathLike, step: int) -> list[Path]:
+    """A run resumed from `step` continues a new lineage: complete checkpoints of later steps
+    (from the run it resumed, e.g. `--resume` of an older checkpoint) are set aside as
+    `abandoned-step_*` so that neither pruning nor a later `--resume` mistakes them for the
+    newest of this lineage. Returns where they went (kept, not deleted)."""
+    moved = []
+    for later in complete_checkpoints(run_dir):
+        if int(later.name.split("_")[1]) > step:
+            target = later.with_name(f"abandoned-{later.name}")
+            os.replace(later, target)
+            moved.append(target)
+    return moved
 
 
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -103,12 +128,9 @@ def complete_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 
 def _latest_in_run(run_dir: Path) -> Path | None:
-    pointer = run_dir / LATEST
-    if pointer.is_file():
-        named = run_dir / json.loads(pointer.read_text())
-        if (named / META).is_file():
-            return named
-    found = complete_checkpoints(run_dir)  # `latest` missing or behind a crash: scan
+    """The newest complete checkpoint: the scan decides (a crash between a checkpoint's rename
+    and the pointer's update leaves `latest` one behind); `latest` is a hint for readers."""
+    found = complete_checkpoints(run_dir)
     return found[-1] if found else None
 
 
@@ -182,11 +204,29 @@ def trim_trained_log(run_dir: str | os.PathLike, step: int) -> None:
     log = Path(run_dir) / TRAINED_LOG
     if not log.is_file():
         return
-    kept = [line for line in log.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
+    kept = [json.dumps(e) for e in read_trained(log) if e["step"] <= step]
     tmp = log.with_name(f".{log.name}.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, log)
+
+
+def read_trained(log: Path) -> list[dict[str, Any]]:
+    """trained.jsonl's entries. A crash mid-append leaves a torn last line: it is dropped (its
+    collection's checkpoint, if any, was never finalized after it). A bad line elsewhere is
+    corruption, named with its line number."""
+    lines = [(n, line) for n, line in enumerate(log.read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            if k == len(lines) - 1:
+                print(f"[rl-async] {log}:{n}: dropping a torn last line (a crash mid-write)",
+                      flush=True)
+                break
+            raise ResumeError(f"{log}:{n}: not valid JSON ({exc.msg}); the trained log is "
+                              f"corrupt") from None
+    return out
 
 
 def append_trained(run_dir: str | os.PathLike, step: int, version: int,

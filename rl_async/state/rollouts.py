@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from rl_async.state.checkpoints import TRAINED_LOG, step_name
+from rl_async.state.checkpoints import TRAINED_LOG, read_trained, step_name
 from rl_async.base.types import Group, Sample
 
 ROLLOUTS = "rollouts"
@@ -99,7 +99,7 @@ def version_assignment(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not log.is_file():
         raise ReplayError(f"{log}: missing; is {run_dir} a run directory "
                           f"(<run.output_dir>/<run.name>/run-<UTC time>)?")
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    return read_trained(log)
 
 
 def compare_exports(a: str | os.PathLike, b: str | os.PathLike) -> dict[str, Any]:

@@ -5,6 +5,10 @@ silently coarsened); the built-in task's keys do not block resuming a JSONL run.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from launch.run import resolve_resume
 from rl_async.plan.checks import validate
 from rl_async.plan.load import load_config
@@ -51,3 +55,63 @@ def test_the_built_in_tasks_keys_do_not_block_a_jsonl_resume():
     assert ckpts.incompatible_changes(saved, now) == []
     succ = [{"task": {"name": "successor", "modulus": m}, "run": {"seed": 0}} for m in (10, 12)]
     assert any("task.modulus" in c for c in ckpts.incompatible_changes(*succ))
+
+
+def make(run_dir, step):
+    ckpts.staging_dir(run_dir, step).mkdir(parents=True)
+    (ckpts.staging_dir(run_dir, step) / "weights.bin").write_bytes(b"w")
+    return ckpts.finalize(run_dir, step, {"policy_version": step, "ledger": {}, "config": {}},
+                          keep=0)
+
+
+def test_a_latest_pointer_left_behind_by_a_crash_is_not_trusted(tmp_path):
+    run_dir = ckpts.new_run_dir(tmp_path, "r")
+    make(run_dir, 10)
+    newer = make(run_dir, 20)
+    (run_dir / ckpts.LATEST).write_text('"step_000010"')  # the crash before the pointer moved
+    assert ckpts.find_checkpoint(tmp_path, "r") == newer
+
+
+def test_pruning_never_leaves_a_half_deleted_checkpoint_that_looks_complete(tmp_path,
+                                                                            monkeypatch):
+    run_dir = ckpts.new_run_dir(tmp_path, "r")
+    make(run_dir, 10)
+    make(run_dir, 20)
+
+    def crash_midway(path, **kw):  # deletes the weights, then the process dies
+        (Path(path) / "weights.bin").unlink()
+        raise OSError("killed")
+    monkeypatch.setattr(ckpts.shutil, "rmtree", crash_midway)
+    ckpts.staging_dir(run_dir, 30).mkdir()
+    with pytest.raises(OSError, match="killed"):
+        ckpts.finalize(run_dir, 30, {"config": {}}, keep=2)  # prunes step 10
+    monkeypatch.undo()
+    # the half-deleted step 10 left the step_* namespace first: never resumed from
+    assert [p.name for p in ckpts.complete_checkpoints(run_dir)] == ["step_000020",
+                                                                     "step_000030"]
+    assert (run_dir / ".step_000010.deleting").is_dir()
+    make(run_dir, 40)  # the next checkpoint finishes the deletion
+    assert not (run_dir / ".step_000010.deleting").exists()
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_later_ones_aside(tmp_path):
+    run_dir = ckpts.new_run_dir(tmp_path, "r")
+    for step in (10, 20, 30):
+        make(run_dir, step)
+    moved = ckpts.abandon_later_checkpoints(run_dir, 10)
+    assert [p.name for p in moved] == ["abandoned-step_000020", "abandoned-step_000030"]
+    assert ckpts.find_checkpoint(tmp_path, "r").name == "step_000010"
+
+
+def test_a_torn_last_line_of_the_trained_log_is_dropped_and_a_torn_middle_one_is_named(
+        tmp_path):
+    run_dir = ckpts.new_run_dir(tmp_path, "r")
+    for step in (1, 2):
+        ckpts.append_trained(run_dir, step, step - 1, [("c0:p", 0, 0)])
+    log = run_dir / ckpts.TRAINED_LOG
+    log.write_text(log.read_text() + '{"step": 3, "trained_at_vers')  # a crash mid-append
+    ckpts.trim_trained_log(run_dir, 5)
+    assert [e["step"] for e in ckpts.read_trained(log)] == [1, 2]
+    log.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
+    with pytest.raises(ckpts.ResumeError, match=r"trained.jsonl:2: not valid JSON"):
+        ckpts.read_trained(log)
