@@ -14,7 +14,7 @@ import sys
 
 import click
 
-from rl_async.plan.checks import Report, validate
+from rl_async.plan.checks import MISSING_PATH, Report, validate
 from rl_async.plan.config import RunConfig
 from rl_async.plan.load import ConfigError, load_config
 
@@ -202,6 +202,9 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
     cfg, report = _load(file, overrides)
     if not report.ok:
         _fail(report.errors)
+    missing = [w.message for w in report.warnings if w.code == MISSING_PATH]
+    if missing:  # a warning for plan/validate (planned elsewhere), an error before a run
+        _fail(missing)
     if dry_run:
         cfg, report = _dry_run(cfg, overrides)
     from launch.run import run_training  # heavy imports only after the config is valid

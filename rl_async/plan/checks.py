@@ -7,6 +7,7 @@ returns the capacity plan, its warnings and every error, each naming key paths a
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,6 +289,25 @@ def task_warnings(cfg: RunConfig) -> list[Warning_]:
     return []
 
 
+def path_warnings(cfg: RunConfig) -> list[Warning_]:
+    """Files the run reads, checked where the command runs (the driver: under `ray job submit`
+    the job's working dir, as the actors resolve them). A warning for `plan`/`validate` (a GPU
+    run file is often planned on a laptop); `rl-async run` refuses to start with one, before
+    any actor: a missing dataset used to surface only after engines and trainers loaded."""
+    wanted = {}
+    if cfg.model.path:
+        wanted["model.path"] = cfg.model.path
+    if cfg.task.name in ("jsonl", "math", "env"):
+        wanted.update({k: v for k, v in (("task.path", cfg.task.path),
+                                         ("task.eval_path", cfg.task.eval_path)) if v})
+    return [Warning_(MISSING_PATH, f"{key} = {value!r}: no such file or directory here "
+                                   f"({os.getcwd()}); fix the path or run from where it exists")
+            for key, value in wanted.items() if not os.path.exists(os.path.expanduser(value))]
+
+
+MISSING_PATH = "MISSING_PATH"
+
+
 def storage_warnings(cfg: RunConfig) -> list[Warning_]:
     """Checkpoints and exports are written by the ranks that hold the data, on their own
     nodes: a multi-node run needs run.output_dir on storage every node shares."""
@@ -373,6 +393,7 @@ def validate(cfg: RunConfig) -> Report:
     if not errors:  # a plan of an invalid layout would only add noise
         memory, note, mem_warnings, mem_errors = plan_memory(cfg, plan)
     return Report(plan=plan, warnings=warnings + engine_warnings(cfg) + task_warnings(cfg)
-                  + unused_key_warnings(cfg) + storage_warnings(cfg) + template_warnings
+                  + unused_key_warnings(cfg) + storage_warnings(cfg) + path_warnings(cfg)
+                  + template_warnings
                   + mem_warnings, errors=errors + template_errors + mem_errors, memory=memory,
                   memory_note=note)

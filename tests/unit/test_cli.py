@@ -104,3 +104,21 @@ def test_replay_names_what_is_missing(tmp_path):
     out = cli("replay", str(tmp_path))
     assert out.returncode == 2, out.stderr
     assert "step_000001.json.gz" in out.stderr and "run.record_rollouts = true" in out.stderr
+
+
+def test_a_missing_dataset_is_a_warning_to_plan_and_an_error_before_a_run(tmp_path):
+    """A dataset path that does not exist used to surface only after engines and trainers
+    had loaded; `run` now refuses before starting anything, naming the key."""
+    import subprocess
+    import sys
+
+    sets = ["--set", "task.name=jsonl", "--set", f"task.path={tmp_path}/nope.jsonl"]
+    plan = subprocess.run([sys.executable, "-m", "launch.cli", "validate",
+                           "cluster_configs/local.toml", *sets],
+                          capture_output=True, text=True)
+    assert plan.returncode == 0 and "MISSING_PATH" in plan.stdout + plan.stderr
+    run = subprocess.run([sys.executable, "-m", "launch.cli", "run",
+                          "cluster_configs/local.toml", *sets], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert f"task.path = '{tmp_path}/nope.jsonl': no such file" in run.stderr
+    assert "Started a local Ray instance" not in run.stderr  # refused before any actor
