@@ -34,6 +34,12 @@ from rl_async.algo.tasks import ENV_TASKS, response_budget, stop_token_ids
 from rl_async.base.types import Sample
 
 
+# An evaluation request aborted by engine failures is asked again, up to this many times in
+# all: enough to ride out restarts (each bounded by engine.max_restarts), finite so that an
+# engine that aborts everything stops the evaluation with an error instead of spinning.
+EVAL_ATTEMPTS = 20
+
+
 class ActorDied(RuntimeError):
     pass
 
@@ -91,6 +97,7 @@ class ProducerActor:
         self._failed = asyncio.Event()
         self._fail_message: str | None = None
         self.faults = {"retried_requests": 0, "last_transient_error": ""}
+        self._failing = [0] * len(engines)  # consecutive transient failures per engine
         self._aborts: set[asyncio.Future] = set()  # engine aborts of cancelled turns
 
     def _call(self, handle, role: str, method: str):
@@ -138,7 +145,9 @@ class ProducerActor:
         rid = uuid.uuid4().hex if sticky else None
         request = (sample.prompt_ids, params) + ((rid,) if rid else ())
         try:
-            return await self.gen_batchers[index].submit(request)
+            out = await self.gen_batchers[index].submit(request)
+            self._failing[index] = 0
+            return out
         except asyncio.CancelledError:
             if rid is not None:
                 self._abort_request(index, rid)
@@ -154,7 +163,9 @@ class ProducerActor:
             self.router.release(index, cost, group_id)
         self.faults["retried_requests"] += 1
         self.faults["last_transient_error"] = cause
-        await asyncio.sleep(backoff_s(min(self.faults["retried_requests"], 6)))
+        # backs off while this engine keeps failing, from scratch once it answers again
+        self._failing[index] += 1
+        await asyncio.sleep(backoff_s(min(self._failing[index], 6)))
         return GenerateOutput(request_id="", output_ids=[], output_logprobs=[],
                               token_versions=[], finish_reason="abort")
 
@@ -279,9 +290,7 @@ class ProducerActor:
                             metadata=dict(p.metadata), seed=seed)
             if self.trajectory is not None:
                 return await self._evaluate_trajectory(tag, sample, params)
-            out = await self._generate(sample, tag, None, params)
-            while out.finish_reason == "abort":  # an engine failed under it: ask again
-                out = await self._generate(sample, tag, None, params)
+            out = await self._eval_generate(sample, tag, None, params)
             sample.response_ids = list(out.output_ids)
             try:
                 if self.scorer is not None:
@@ -306,6 +315,18 @@ class ProducerActor:
             *(k_samples(i, p) for i, p in enumerate(prompts) if k))
         return eval_metrics(list(firsts), sampled)
 
+    async def _eval_generate(self, sample: Sample, key: str, max_new_tokens: int | None,
+                             params) -> GenerateOutput:
+        """An evaluation request under the rollouts' generation semaphore; a request an
+        engine failure aborted is asked again, at most EVAL_ATTEMPTS times in all."""
+        for _ in range(EVAL_ATTEMPTS):
+            out = await self.core.gated(
+                lambda: self._generate(sample, key, max_new_tokens, params))
+            if out.finish_reason != "abort":
+                return out
+        raise EngineError(f"evaluation request {key!r} was aborted {EVAL_ATTEMPTS} times in a "
+                          f"row (last: {self.faults['last_transient_error']})")
+
     async def _evaluate_trajectory(self, tag: str, sample: Sample, params) -> float:
         """An eval trajectory at the eval sampling settings, scored by the environment. An
         environment failure scores 0 and is counted (faults.eval_env_failures), so a flaky
@@ -313,11 +334,7 @@ class ProducerActor:
         key = f"{tag}/{sample.seed}"
 
         async def turn(ids: list[int], n: int, t: int) -> GenerateOutput:
-            request = turn_request(sample, ids, t)
-            out = await self._generate(request, key, n, params)
-            while out.finish_reason == "abort":  # an engine failed under it: ask again
-                out = await self._generate(request, key, n, params)
-            return out
+            return await self._eval_generate(turn_request(sample, ids, t), key, n, params)
 
         try:
             await self.trajectory.run(sample, turn)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from rl_async.base import clock
 from rl_async.engine.base import EngineError, GenerateOutput
@@ -327,6 +327,13 @@ class Producer:
         if result.finish == "abort":
             og.aborted = True
             og.abort_reason = og.abort_reason or result.reason
+
+    async def gated(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        """`call()` (an evaluation request) under the generation semaphore rollouts use, so
+        evaluations count against the same `server_concurrency x engines` permits; outside
+        the rollout statistics."""
+        async with self._gen_sem:
+            return await call()
 
     async def _request(self, sample: Sample, key: str, max_new_tokens: int | None = None
                        ) -> GenerateOutput:

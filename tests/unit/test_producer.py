@@ -373,3 +373,27 @@ def test_groups_opened_several_per_fetch_within_budget_target_and_drain(granular
         p.stop()
         await asyncio.wait_for(task, 1.0)
     asyncio.run(main())
+
+
+def test_evaluation_requests_share_the_rollouts_generation_gate():
+    """Evaluation requests went straight to the engines, past the server_concurrency x engines
+    permits rollouts wait for: `gated` takes a permit like a rollout request does."""
+    async def main():
+        w = World(group_size=2, gen_delay=10.0)  # rollouts hold their permits
+        p = w.producer("sample", budget=2, http=2)
+        p.set_target(1)
+        task = await run_for(p, 0.05)
+        assert w.inflight == 2  # both permits held by rollout requests
+        started = []
+
+        async def eval_request():
+            started.append(w.inflight)
+            return "done"
+        pending = asyncio.ensure_future(p.gated(eval_request))
+        await asyncio.sleep(0.05)
+        assert not started  # waits for a permit
+        p.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pending.cancel()
+    asyncio.run(main())
