@@ -53,7 +53,8 @@ class ControllerActor:
                 self.controller.checkpoint_dir = r.path
             self.controller.stop_requested = self._stop_requested  # asked during start-up
             summary = await self.controller.run()
-            summary["failures"] = await self.fleet.source.failures.remote()
+            summary["failures"] = await self.fleet.bounded(self.fleet.source.failures.remote(),
+                                                           "prompt-source.failures")
             summary["run_dir"] = str(self.fleet.run_dir)
             if r is not None:
                 summary["resumed_from"] = {"step": r.step, "path": r.path}
@@ -75,9 +76,11 @@ class ControllerActor:
             p = self.controller.progress
             out.update(steps=p.step, policy_version=self.controller.version,
                        eval={"initial_reward": p.initial_eval, "final_reward": p.final_eval})
-        try:
-            out["ledger"] = await self.fleet.source.counts.remote()
-            out["failures"] = await self.fleet.source.failures.remote()
+        try:  # bounded: a wedged (not dead) prompt source must not hang the failure report
+            out["ledger"] = await self.fleet.bounded(self.fleet.source.counts.remote(),
+                                                     "prompt-source.counts")
+            out["failures"] = await self.fleet.bounded(self.fleet.source.failures.remote(),
+                                                       "prompt-source.failures")
         except Exception as exc:  # the prompt source itself may be what died
             out["ledger"] = f"unavailable: {type(exc).__name__}: {exc}"
         return out
@@ -90,9 +93,6 @@ class ControllerActor:
             return {"phase": "starting"}
         p = dataclasses.asdict(self.controller.progress)
         p["max_steps"] = self.cfg.run.max_steps
-        p["discard_fraction"] = self.memory.rows[-1][1].get(
-            "rollout/fully_async/completed_queue/dropped_samples_fraction", 0.0) \
-            if self.memory.rows else 0.0
         return p
 
     def request_stop(self) -> None:
@@ -103,4 +103,4 @@ class ControllerActor:
             self.controller.stop_requested = True
 
     def history(self) -> list:
-        return self.memory.rows
+        return list(self.memory.rows)

@@ -278,7 +278,12 @@ class RayFleet(FleetPublication):
 
     # ---- buffer and training -----------------------------------------------------------------
     async def get_groups(self, n: int, version: int) -> list[Group]:
-        return await self.buffer.get.remote(n, version)
+        ref = self.buffer.get.remote(n, version)
+        try:
+            return await ref
+        except asyncio.CancelledError:  # the controller gave up waiting: so does the buffer
+            ray.cancel(ref)  # (an async actor's task is cancelled where it waits, taking none)
+            raise
 
     async def buffer_set_version(self, version: int) -> None:
         await self.bounded(self.buffer.set_version.remote(version), "completed-buffer.set_version")

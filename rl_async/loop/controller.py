@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 
 from rl_async.base import clock
 from rl_async.observe.calibration import CalibrationStats
+from rl_async.observe.queue_metrics import COMPLETED_QUEUE_PREFIX
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
@@ -163,6 +164,7 @@ class Controller:
                    "perf/metrics_gather_seconds": gather_s,
                    "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
         metrics.update(self._collection_metrics(groups, wait))
+        self._count_discards(metrics)
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
@@ -249,6 +251,15 @@ class Controller:
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
                 "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
                 "policy/version": float(self.version)}
+
+    def _count_discards(self, metrics: dict[str, float]) -> None:
+        """The run's discard fraction so far (the progress line's), from the buffer's
+        windowed counts that this collection's metrics carry."""
+        p = self.progress
+        p.dropped_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "dropped_samples", 0))
+        p.delivered_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "delivered_samples", 0))
+        decided = p.dropped_samples + p.delivered_samples
+        p.discard_fraction = p.dropped_samples / decided if decided else 0.0
 
     async def _get_collection(self) -> list[Group]:
         """Wait for a collection while watching the producer: a dead producer (or an engine,

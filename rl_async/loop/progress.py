@@ -13,7 +13,9 @@ class Progress:
     reward: float = 0.0
     staleness: float = 0.0
     trainer_wait_seconds: float = 0.0
-    discard_fraction: float = 0.0
+    discard_fraction: float = 0.0  # dropped / (dropped + delivered) samples, the run so far
+    dropped_samples: int = 0
+    delivered_samples: int = 0
     initial_eval: float | None = None
     final_eval: float | None = None
     # [step, wall seconds since the loop started, eval/reward] for every evaluation, and the

@@ -7,6 +7,7 @@ Actors return plain `{name: float}` dicts; the controller merges them per step a
 from __future__ import annotations
 
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,10 +56,11 @@ class WandbSink:
 
 
 class MemorySink:
-    """Keeps every logged row (the summary's history and tests)."""
+    """Keeps the last `keep` logged rows (the controller's recent history, tests): bounded,
+    so a long run's controller does not grow with every row it ever logged."""
 
-    def __init__(self) -> None:
-        self.rows: list[tuple[int, dict[str, float]]] = []
+    def __init__(self, keep: int = 1000) -> None:
+        self.rows: deque[tuple[int, dict[str, float]]] = deque(maxlen=keep)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.rows.append((step, dict(metrics)))

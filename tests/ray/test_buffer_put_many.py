@@ -64,3 +64,36 @@ def test_put_many_streams_each_group_after_the_ledger_and_blocks_only_the_overfl
     assert counts["unaccounted"] == 0
     for actor in (buffer, source):
         ray.kill(actor)
+
+
+def test_a_cancelled_get_stops_waiting_in_the_buffer_and_takes_nothing(ray_cluster):
+    """The controller cancels its collection wait when the run fails; the buffer's own get
+    used to wait on, and took the next groups to deliver them to nobody."""
+    from actors.buffer import BufferActor
+    from actors.fleet import RayFleet
+    from actors.prompt_source import PromptSourceActor
+
+    cfg, report = small("cluster_configs/local.toml", "rollout.rollout_batch_size=2",
+                        "train.global_batch_size=8", "train.micro_batch_size=8",
+                        "async.async_max_concurrent_samples=8", name="cancel-get")
+    source = PromptSourceActor.remote(cfg)
+    buffer = BufferActor.remote(cfg, report.plan, source)
+    fleet = RayFleet.__new__(RayFleet)  # only get_groups: the buffer is all it touches
+    fleet.buffer = buffer
+    groups = [generated(g) for g in ray.get(source.next_groups.remote(2))]
+
+    async def main():
+        waiting = asyncio.ensure_future(fleet.get_groups(2, 0))
+        await asyncio.sleep(1.0)  # the get is waiting inside the buffer
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await asyncio.sleep(1.0)  # the cancellation reaches the buffer actor
+        async for ref in buffer.put_many.remote(groups):
+            await ref
+        await asyncio.sleep(1.0)  # a get still waiting would take them now
+        return await buffer.size.remote(), await source.counts.remote()
+
+    size, counts = asyncio.run(main())
+    assert size == 2 and counts["delivered_groups"] == 0 and counts["buffered_groups"] == 2
+    for actor in (buffer, source):
+        ray.kill(actor)
