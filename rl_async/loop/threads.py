@@ -31,7 +31,7 @@ actors).
 from __future__ import annotations
 
 import math
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
 BUSY = 0.75          # a side using this share of its threads is saturated
 IDLE_CORES = 0.25    # ... while the other leaves this many cores idle
@@ -54,6 +54,20 @@ class Usage:
     loop_s: float         # the controller's loop seconds (collection, training, publication)
     updates: int          # optimizer updates so far
     wall_s: float         # monotonic wall clock
+    # each live engine's own counter: one engine's restart (its counter starts again) hides
+    # in the sum while the others' grow
+    per_engine: tuple[tuple[str, float], ...] = ()
+
+    def totals(self) -> tuple[float, float, float, float, float]:
+        return self.engine_cpu_s, self.trainer_cpu_s, self.loop_s, self.updates, self.wall_s
+
+    def restarted_since(self, last: Usage) -> bool:
+        """A process started again between the two: a counter fell, or the engines changed
+        (one went down or came back), so the increments are not usage."""
+        before = dict(last.per_engine)
+        return (self.trainer_cpu_s < last.trainer_cpu_s or self.engine_cpu_s < last.engine_cpu_s
+                or set(before) != {k for k, _ in self.per_engine}
+                or any(v < before[k] for k, v in self.per_engine))
 
 
 def initial_split(cfg) -> Split:
@@ -117,12 +131,11 @@ class ThreadBalancer:
         if self.state == "settled":
             return None
         last, self._last = self._last, usage
-        if last is None or self._dirty or usage.engine_cpu_s < last.engine_cpu_s \
-                or usage.trainer_cpu_s < last.trainer_cpu_s:  # the first, or a restart
+        if last is None or self._dirty or usage.restarted_since(last):
             self._dirty = False
             return None
         self._window = [w + now - then for w, now, then
-                        in zip(self._window, astuple(usage), astuple(last))]
+                        in zip(self._window, usage.totals(), last.totals())]
         engine_s, trainer_s, loop_s, updates, wall = self._window
         if updates < self.min_updates or loop_s < self.min_seconds or wall <= 0:
             return None
@@ -198,8 +211,8 @@ def usage_from(metrics: dict[str, float], trainer_workers: int, loop_s: float, u
     """A collection's gathered metrics -> cumulative usage. Engines report their own
     `engine/<i>/cpu_seconds`; the trainer's come from the reporting rank's train metrics,
     times the workers (data-parallel ranks do the same work)."""
-    engines = sum(v for k, v in metrics.items()
-                  if k.startswith("engine/") and k.endswith("/cpu_seconds"))
-    return Usage(engine_cpu_s=engines,
+    per_engine = tuple(sorted((k, v) for k, v in metrics.items()
+                              if k.startswith("engine/") and k.endswith("/cpu_seconds")))
+    return Usage(engine_cpu_s=sum(v for _, v in per_engine),
                  trainer_cpu_s=metrics.get("trainer/cpu_seconds", 0.0) * trainer_workers,
-                 loop_s=loop_s, updates=updates, wall_s=now)
+                 loop_s=loop_s, updates=updates, wall_s=now, per_engine=per_engine)

@@ -125,7 +125,23 @@ def test_several_trainer_workers_share_the_lent_cores():
 def test_usage_sums_engines_and_scales_the_reporting_trainer_rank():
     u = usage_from({"engine/0/cpu_seconds": 3.0, "engine/1/cpu_seconds": 4.0,
                     "engine/0/running": 9.0, "trainer/cpu_seconds": 5.0}, 2, 1.5, 7, 9.0)
-    assert u == Usage(7.0, 10.0, 1.5, 7, 9.0)
+    assert u.totals() == (7.0, 10.0, 1.5, 7, 9.0)
+
+
+def test_one_engine_restarting_among_several_is_seen():
+    """Two engines: one restarts (its counter starts again at 0.5) while the other grows by
+    more, so the SUM still rises; that window's increment must be left out all the same."""
+    b = balancer()
+    first = usage_from({"engine/0/cpu_seconds": 20.0, "engine/1/cpu_seconds": 20.0,
+                        "trainer/cpu_seconds": 10.0}, 1, 10.0, 1, 10.0)
+    restart = usage_from({"engine/0/cpu_seconds": 0.5, "engine/1/cpu_seconds": 45.0,
+                          "trainer/cpu_seconds": 20.0}, 1, 20.0, 5, 20.0)
+    assert restart.engine_cpu_s > first.engine_cpu_s
+    assert b.observe(first) is None and b.observe(restart) is None
+    assert b._window == [0.0] * 5  # left out
+    gone = usage_from({"engine/1/cpu_seconds": 50.0, "trainer/cpu_seconds": 30.0}, 1, 30.0,
+                      9, 30.0)  # engine 0 is down: not in the metrics
+    assert gone.restarted_since(restart)
 
 
 def test_which_runs_balance_and_what_the_plan_says():
