@@ -37,7 +37,9 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             onednn_linear=cfg.engine.onednn_linear,
             max_prompt_len=engine_prompt_limit(cfg),
             torch_threads=None if on_gpu else cfg.engine.torch_threads,
-            # a resumed run continues with fresh randomness, not the start's stream again
+            # only for requests that carry no seed of their own (rollouts and evaluations
+            # always do: rl_async/algo/seeding.py); a resumed run does not replay the start's
+            # stream for them
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
             batch_invariant=cfg.run.deterministic,
             request_timeout_s=cfg.sglang.request_timeout_s))
