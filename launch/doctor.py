@@ -118,6 +118,18 @@ def _need(rows: list[Row], ok: bool, what: str, missing: str, fine: str = "yes")
     rows.append(Row(what, "ok" if ok else "BLOCKER", fine if ok else missing))
 
 
+def _pinned(rows: list[Row], env: Probe, module: str, package: str, what: str,
+            missing: str) -> None:
+    """A package the run needs: importable (else a blocker), at the version rl-async was
+    written against (else a warning)."""
+    _need(rows, env.importable(module), what,
+          f"{missing} ({env.imports.get(module) or env.error})")
+    got = env.version(package)
+    if got and got != PINNED[package]:
+        rows.append(Row(f"{package} version", "warn", f"{got}: rl-async is written against "
+                        f"{package} {PINNED[package]}; other versions may differ"))
+
+
 def requirement_rows(cfg: RunConfig, here: Probe, sglang_env: Probe | None) -> list[Row]:
     """What the run file needs of this machine's interpreters."""
     c, rows = cfg.cluster, []
@@ -146,14 +158,10 @@ def _sglang_rows(cfg: RunConfig, here: Probe, sglang_env: Probe | None) -> list[
     where = (f"sglang.python = {cfg.sglang.python!r}" if cfg.sglang.python
              else f"sglang.python unset (the run's own {here.python})")
     rows: list[Row] = []
-    _need(rows, env.importable("sglang"), "SGLang importable by the engines",
-          f"engine.backend = 'sglang' needs sglang=={PINNED['sglang']} importable by {where}: "
-          f"{env.imports.get('sglang') or env.error}; install it in a virtual env of its own "
-          f"(it pins torch 2.14.1) and set sglang.python to its interpreter")
-    got = env.version("sglang")
-    if got and got != PINNED["sglang"]:
-        rows.append(Row("SGLang version", "warn", f"{got}: rl-async speaks SGLang "
-                        f"{PINNED['sglang']}'s API; other versions may differ"))
+    _pinned(rows, env, "sglang", "sglang", "SGLang importable by the engines",
+            f"engine.backend = 'sglang' needs sglang=={PINNED['sglang']} importable by "
+            f"{where}; install it in a virtual env of its own (it pins torch 2.14.1) and set "
+            f"sglang.python to its interpreter")
     if cfg.cluster.inference_gpus:
         _need(rows, bool(env.gpus), "engines on GPU",
               f"cluster.inference_gpus = {cfg.cluster.inference_gpus} but {env.python} sees "
@@ -168,13 +176,10 @@ def _sglang_rows(cfg: RunConfig, here: Probe, sglang_env: Probe | None) -> list[
 
 def _megatron_rows(cfg: RunConfig, here: Probe) -> list[Row]:
     rows: list[Row] = []
-    _need(rows, here.importable("megatron.core"), "megatron-core (train.backend = 'megatron')",
-          f"train.backend = 'megatron' needs megatron-core=={PINNED['megatron-core']}: "
-          f"pip install -e '.[megatron]' ({here.imports.get('megatron.core') or here.error})")
-    got = here.version("megatron-core")
-    if got and got != PINNED["megatron-core"]:
-        rows.append(Row("megatron-core version", "warn", f"{got}: rl-async is written against "
-                        f"{PINNED['megatron-core']}"))
+    _pinned(rows, here, "megatron.core", "megatron-core",
+            "megatron-core (train.backend = 'megatron')",
+            f"train.backend = 'megatron' needs megatron-core=={PINNED['megatron-core']}: "
+            f"pip install -e '.[megatron]'")
     impl = cfg.train.transformer_impl
     wants_te = impl == "transformer_engine" or (impl == "auto" and cfg.cluster.trainer_gpus)
     if wants_te:

@@ -363,8 +363,9 @@ def _eos_ids(value) -> list[int]:
 def stop_token_ids(cfg, tokenizer=None) -> tuple[int, ...]:
     """rollout.stop_token_ids, else the built-in task's EOS, else every end-of-sequence id
     the model declares: config.json's and generation_config.json's eos_token_id (chat
-    models often list their turn terminator only in the latter: Gemma's <end_of_turn>) and
-    the tokenizer's eos token (`tokenizer`, or the checkpoint's own files)."""
+    models often list their turn terminator only in the latter: Gemma's <end_of_turn>), the
+    tokenizer's eos token (`tokenizer`, or the checkpoint's own files) and the turn-end
+    markers SGLang stops at too: the embedded engine stops where SGLang would."""
     if cfg.rollout.stop_token_ids is not None:
         return tuple(cfg.rollout.stop_token_ids)
     if cfg.task.name == "successor" or (cfg.task.name in ENV_TASKS and cfg.model.path is None):
@@ -377,16 +378,26 @@ def stop_token_ids(cfg, tokenizer=None) -> tuple[int, ...]:
     generation = Path(cfg.model.path).expanduser() / "generation_config.json"
     if generation.is_file():
         ids += _eos_ids(json.loads(generation.read_text()).get("eos_token_id"))
-    eos = tokenizer.eos_token_id if tokenizer is not None else _tokenizer_eos(cfg.model.path)
-    return tuple(dict.fromkeys(ids + _eos_ids(eos)))  # in order, once each
+    stops = (_tokenizer_stops(tokenizer) if tokenizer is not None
+             else _checkpoint_tokenizer_stops(cfg.model.path))
+    return tuple(dict.fromkeys(ids + stops))  # in order, once each
+
+
+def _tokenizer_stops(tokenizer) -> list[int]:
+    """The tokenizer's eos id, then the turn-end markers SGLang also stops at
+    (rl_async/algo/stop_ids.py: <|eom_id|> and kin, where the added vocabulary has them)."""
+    from rl_async.algo.stop_ids import tokenizer_stop_ids
+
+    eos = _eos_ids(tokenizer.eos_token_id)
+    return eos + sorted(tokenizer_stop_ids(tokenizer) - set(eos))
 
 
 @functools.lru_cache(maxsize=8)
-def _tokenizer_eos(path: str) -> int | None:
-    """The checkpoint tokenizer's eos id (loaded once per path: sampling settings are built
-    at every evaluation)."""
+def _checkpoint_tokenizer_stops(path: str) -> list[int]:
+    """_tokenizer_stops of the checkpoint's own tokenizer (loaded once per path: sampling
+    settings are built at every evaluation)."""
     tokenizer = load_tokenizer(types.SimpleNamespace(path=path))
-    return None if tokenizer is None else tokenizer.eos_token_id
+    return [] if tokenizer is None else _tokenizer_stops(tokenizer)
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
