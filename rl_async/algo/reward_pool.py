@@ -83,7 +83,10 @@ class _Worker:
             try:
                 result = self.conn.recv()
             except (EOFError, OSError):
-                code = self.process.poll()
+                try:  # its end of the socket closed: it has exited, or does in a moment
+                    code = self.process.wait(1)
+                except subprocess.TimeoutExpired:
+                    code = None
                 reply.set_exception(WorkerLost(f"the reward worker process died (exit code "
                                                f"{code}) during the call"))
                 return

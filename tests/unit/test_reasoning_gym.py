@@ -33,11 +33,12 @@ def test_prompts_come_from_the_generator_and_held_out_questions_never_train():
     text = tok.decode(held[0].prompt_ids)
     assert "<answer>answer here</answer>" in text and held[0].metadata["question"] in text
     assert text.endswith("<|im_start|>assistant\n")  # the real template's generation prompt
-    # Seeded from run.seed: the same seed gives the same questions, another seed others.
+    # Seeded from run.seed: the same seed gives the same questions, another seed others (the
+    # held-out ones are chosen by content, so a small question space can share them)
     again = build_prompts(c.task, len(tok), "eval", tok, seed=3)
-    other = build_prompts(c.task, len(tok), "eval", tok, seed=4)
+    other = build_prompts(c.task, len(tok), "train", tok, seed=4)
     assert [p.metadata["question"] for p in again] == [p.metadata["question"] for p in held]
-    assert [p.metadata["question"] for p in other] != [p.metadata["question"] for p in held]
+    assert [p.metadata["question"] for p in other] != [p.metadata["question"] for p in train]
 
 
 def test_the_reward_is_the_datasets_own_score_answer():
