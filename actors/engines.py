@@ -79,6 +79,7 @@ class EngineActor:
         self.engine = build_engine(cfg, index, start_version)
         self.monitor = LoopMonitor()
         self._die_in_transfer = False
+        self._die_before_commit = False
 
     async def start(self) -> dict:
         """Launch/attach (SGLang) and report where this engine runs."""
@@ -134,6 +135,28 @@ class EngineActor:
                                                           weight_version,
                                                           flush_cache=flush_cache)
 
+    def stages_weights(self) -> bool:
+        return self.engine.stages_weights
+
+    async def stage_weights(self, buckets, group_name: str, version: int, fingerprints,
+                            digest: str) -> dict:
+        """A publication into the staging buffers while generating (prepare, transfer,
+        verify); commit_weights switches to it."""
+        if self._die_in_transfer:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await self.engine.stage_weights(buckets, group_name, version, fingerprints,
+                                               digest)
+
+    async def commit_weights(self, version: int) -> dict:
+        if self._die_before_commit:  # chaos tests: verified, not yet switched
+            os.kill(os.getpid(), signal.SIGKILL)
+        return await self.engine.commit_weights(version)
+
+    def committed(self) -> dict:
+        """The committed version and its model digest (what this engine serves)."""
+        return {"version": self.engine._version,
+                "digest": getattr(self.engine, "committed_digest", None)}
+
     async def update_weights_from_tensor(self, named_tensors, weight_version=None) -> None:
         await self.engine.update_weights_from_tensor(named_tensors, weight_version)
 
@@ -163,6 +186,23 @@ class EngineActor:
         """Chaos tests: SIGKILL this engine's process at the start of its next weight receive,
         while trainer rank 0 (and every other engine) is inside that broadcast."""
         self._die_in_transfer = True
+
+    def debug_fault(self, kind: str, bucket: int | None = None) -> None:
+        """Chaos tests, for the next staged publication: `die_at_bucket` SIGKILLs this
+        engine just before it receives bucket `bucket` (0-based), `corrupt_bucket` flips a
+        byte of that bucket after it arrived, `die_before_commit` SIGKILLs it once its
+        weights are verified and before they are switched in."""
+        faults = self.engine.debug_faults
+        if kind == "die_at_bucket":
+            faults["before_bucket"] = (lambda i: os.kill(os.getpid(), signal.SIGKILL)
+                                       if i == bucket else None)
+        elif kind == "corrupt_bucket":
+            faults["corrupt_bucket"] = bucket
+        elif kind == "die_before_commit":
+            self._die_before_commit = True
+        else:
+            raise ValueError(f"debug_fault kind = {kind!r}: die_at_bucket, corrupt_bucket "
+                             f"or die_before_commit")
 
     def debug_block(self, seconds: float) -> None:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,

@@ -39,7 +39,7 @@ import asyncio
 
 from ray.exceptions import RayActorError
 
-from rl_async.loop.faults import quote
+from actors.fleet_staging import FleetStaging, _cause
 from rl_async.loop.publish import BucketProgress
 from rl_async.plan.publication_budget import engine_receive_budget_s
 
@@ -48,7 +48,7 @@ from rl_async.plan.publication_budget import engine_receive_budget_s
 ENGINE_ERROR_GRACE_S = 2.0
 
 
-class FleetPublication:
+class FleetPublication(FleetStaging):
     def _channel_name(self, i: int) -> str:
         self._channel_generation += 1
         return (f"{self.prefix}/pub/engine-{i}/n{self.incarnations.get(i, 0)}"
@@ -159,15 +159,26 @@ class FleetPublication:
         ranks = self._collective_ranks()
         self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
                                               for t in ranks)))[0]
+        if self.stages_weights:  # what each engine checks before it may commit
+            self._checks = await self.trainers[0].snapshot_fingerprints.remote("staged")
 
     async def send(self, version: int, progress: BucketProgress | None = None) -> int:
-        """Send the staged snapshot to every live engine; the last bucket carries the
-        version. Replacements get a channel first and rejoin routing once they hold it."""
+        """Send the staged snapshot to every live engine. Staging engines receive and verify
+        it while they generate (commit() switches them); the others load it in place, the
+        last bucket carrying the version. Replacements get a channel first and rejoin
+        routing once they hold it."""
         async with self.members_lock:
+            if self.stages_weights:
+                return await self._stage_locked(version, "staged")
             sent = await self._send_locked(version, progress, "staged")
-            await self.trainers[0].commit_publication.remote()
-            self._published_metas = self._metas
+            await self._published(version)
         return sent
+
+    async def _published(self, version: int) -> None:
+        """The staged snapshot is now the published one: what catch-ups send."""
+        await self.trainers[0].commit_publication.remote()
+        self._published_metas, self._published_checks = self._metas, self._checks
+        self.version_hint = version
 
     async def catch_up(self) -> None:
         """Bring replacements in now when no engine can generate (every live engine is a
@@ -187,17 +198,28 @@ class FleetPublication:
         async with self.members_lock:
             serving = [i for i in self.live_engines() if i not in self.pending_up]
             if self.pending_up and not serving and self._published_metas:
-                await self._send_locked(self.version_hint, None, "published")
+                if self.stages_weights:
+                    await self._stage_locked(self.version_hint, "published")
+                    await self._commit_locked(self.version_hint, "published")
+                else:
+                    await self._send_locked(self.version_hint, None, "published")
 
-    async def _send_locked(self, version: int, progress: BucketProgress | None,
-                           which: str) -> int:
-        metas = self._metas if which == "staged" else self._published_metas
-        self.version_hint = version
+    async def _with_channels(self) -> list[int]:
+        """The live engines, each with a channel of its incarnation (an engine that fails
+        to form one is lost)."""
         live = self.live_engines()
         for i, cause in (await self._form_channels(live)).items():
             await self.lost(i, cause)
-        live = [i for i in live if i in self.channels]
-        sent, failed = await self._transfer(live, version, metas, progress, which)
+        return [i for i in live if i in self.channels]
+
+    async def _send_locked(self, version: int, progress: BucketProgress | None,
+                           which: str) -> int:
+        """In place (engines that cannot stage): every bucket to every live engine."""
+        metas = self._metas if which == "staged" else self._published_metas
+        self.version_hint = version
+        live = await self._with_channels()
+        sent, failed, _ = await self._transfer(live, metas, self._bucket_loads(
+            version, metas, progress), which)
         for i, cause in failed.items():
             await self.lost(i, cause)
         holding = [i for i in live if i not in failed]
@@ -209,39 +231,48 @@ class FleetPublication:
             self.pending_up.discard(i)
         return sent
 
-    async def _transfer(self, live: list[int], version: int, metas: list[tuple],
-                        progress: BucketProgress | None, which: str
-                        ) -> tuple[int, dict[int, str]]:
-        """One pass over the buckets on every live engine's channel. Returns (bytes per
-        engine, {engine: cause}) for the engines that did not get the whole snapshot."""
-        if not live:
-            return 0, {}
+    def _bucket_loads(self, version: int, metas: list[tuple],
+                      progress: BucketProgress | None):
+        """Engine i's side of an in-place transfer: one call per bucket, each within
+        publication.channel_timeout_s; the last carries the version."""
         timeout_s = self.cfg.publication.channel_timeout_s
-        total_s = engine_receive_budget_s(self.cfg.publication, len(metas))
-        names = {i: self.channels[i][0] for i in live}
         flush = self.cfg.refresh.mode == "off"  # never flush while requests are retracted
         reached = [0]
 
-        async def buckets(i: int) -> None:
+        async def load(i: int, channel: str) -> None:
             for b, (bnames, dtypes, shapes, _n) in enumerate(metas):
                 if progress is not None and b >= reached[0]:
                     reached[0] = b + 1
                     progress(b, len(metas))
                 last = b == len(metas) - 1
                 await asyncio.wait_for(self.engines[i].update_weights_from_distributed.remote(
-                    bnames, dtypes, shapes, names[i], version if last else None,
+                    bnames, dtypes, shapes, channel, version if last else None,
                     flush if last else False), timeout_s)
+        return load
 
-        async def receive(i: int) -> None:
+    async def _transfer(self, live: list[int], metas: list[tuple], receive, which: str
+                        ) -> tuple[int, dict[int, str], dict[int, object]]:
+        """Trainer rank 0 sends the `which` snapshot on every live engine's channel while
+        `receive(i, channel)` runs engine i's side. Returns (bytes per engine, {engine:
+        cause} for those that did not get the whole snapshot, {engine: what its receive
+        returned} for the others)."""
+        if not live:
+            return 0, {}, {}
+        timeout_s = self.cfg.publication.channel_timeout_s
+        total_s = engine_receive_budget_s(self.cfg.publication, len(metas))
+        names = {i: self.channels[i][0] for i in live}
+
+        async def bounded(i: int):
             # The whole receive has the budget the trainer's side has, and a moment more:
             # the trainer's verdict on a slow channel comes first.
             try:
-                await asyncio.wait_for(buckets(i), total_s + ENGINE_ERROR_GRACE_S)
+                return await asyncio.wait_for(receive(i, names[i]),
+                                              total_s + ENGINE_ERROR_GRACE_S)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"its whole receive ({len(metas)} buckets) did not finish "
                                    f"within its budget of {total_s:g} s") from None
 
-        receivers = {i: asyncio.ensure_future(receive(i)) for i in live}
+        receivers = {i: asyncio.ensure_future(bounded(i)) for i in live}
         try:
             sent, trainer_failed = await self.trainers[0].send_publication.remote(
                 list(names.values()), which, timeout_s, total_s)
@@ -255,10 +286,9 @@ class FleetPublication:
             await asyncio.wait([receivers[i] for i in broken], timeout=ENGINE_ERROR_GRACE_S)
             for i in broken:
                 receivers[i].cancel()
-        # The others got every byte; their calls finish (each bucket bounded by
-        # channel_timeout_s, the whole by the receive budget, inside receive()).
+        # The others got every byte; their calls finish (bounded inside bounded()).
         await asyncio.wait(receivers.values())
-        failed = {}
+        failed, results = {}, {}
         for i, task in receivers.items():
             error = task.exception() if not task.cancelled() else None
             if i in broken:
@@ -267,12 +297,17 @@ class FleetPublication:
                     f"{trainer_failed[names[i]]}")
             elif error is not None:
                 failed[i] = f"receiving the weights failed: {_cause(error)}"
-        return sent, failed
+            else:
+                results[i] = task.result()
+        return sent, failed, results
 
     async def transfer(self, version: int) -> int:
-        """snapshot + send (start-up, and tests that publish by hand)."""
+        """snapshot + send (+ commit) with nothing paused: tests that publish by hand."""
         await self.snapshot()
-        return await self.send(version)
+        sent = await self.send(version)
+        if self.stages_weights:
+            await self.commit(version)
+        return sent
 
     async def verify_weights(self, members: list[int], which: str = "staged") -> None:
         """Every engine in `members` holds the snapshot (publication.verify_checksum); each
@@ -291,11 +326,3 @@ class FleetPublication:
         if bad:
             raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "
                                f"publication (checksum mismatch)")
-
-
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):  # builtin TimeoutError too (3.11)
-        return str(exc) or "no answer within publication.channel_timeout_s"
-    if isinstance(exc, RayActorError):
-        return f"the actor died: {quote(str(exc), 300)}"
-    return f"{type(exc).__name__}: {quote(str(exc), 300)}"

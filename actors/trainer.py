@@ -176,6 +176,12 @@ class TrainerWorker:
         failed channels are reported by name and destroyed (a trainer-side failure raises)."""
         return self.sender.send(names, which, timeout_s, total_s)
 
+    def snapshot_fingerprints(self, which: str = "staged") -> tuple[list[str], str]:
+        """A snapshot's bucket fingerprints and model digest: what a staging engine checks
+        before it may commit (rl_async/engine/embedded_weights.py)."""
+        snap = self.sender.snapshot(which)
+        return snap.fingerprints, snap.digest
+
     def commit_publication(self) -> None:
         self.sender.commit()
 

@@ -1,13 +1,14 @@
 """Weight publication through the product's path vs a raw torch.distributed broadcast of the
 same bytes between the same processes.
 
-A real fleet (RayFleet.start: two embedded CPU engine actors, one trainer worker, the
-publication gloo group, version 0 published) holds an fp32 Llama of > 50 MB. Then, with the
-fleet idle, alternately:
-  publication: the controller's Publisher state machine over the fleet (stop submissions,
-               drain, RayFleet.transfer: snapshot + flatten buckets on trainer rank 0,
-               broadcast each bucket, engines unflatten and load, set the version; resume);
-               `transfer_seconds` is RayFleet.transfer alone;
+A real fleet (RayFleet.start: two embedded CPU engine actors, one trainer worker, one
+publication channel per engine, version 0 published) holds an fp32 Llama of > 50 MB. Then,
+with the fleet idle, alternately:
+  publication: the controller's Publisher state machine over the fleet: snapshot (trainer
+               rank 0 copies the weights into its buckets, fingerprints them), transfer
+               (each engine receives into its staging buffers and verifies every bucket's
+               fingerprint and the model digest, then prepares its packed linears: `load`),
+               drain, commit (each engine switches between two steps: `pause`), resume;
   raw:         a broadcast of a preallocated flat uint8 tensor of the same total size from
                trainer rank 0 on each engine's publication channel, all at once (the
                transport the product uses: one channel per engine), run inside the same
@@ -15,7 +16,9 @@ fleet idle, alternately:
 Each side is timed from the caller (one asyncio loop in a helper actor), median of --reps.
 
     python benchmarks/weight_publication.py --json
-prints one JSON line {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes", ...}.
+prints one JSON line {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes",
+"snapshot_seconds", "transfer_seconds", "transfer_ratio", "load_seconds", "pause_seconds",
+"pause_fraction" (pause / transfer), ...}.
 """
 
 from __future__ import annotations
@@ -59,6 +62,20 @@ def _raw_release(actor) -> None:
     del actor._bench_raw
 
 
+def _cpu(actor) -> float:
+    """CPU seconds of the actor's process so far, every thread (the channel threads too)."""
+    return time.process_time()
+
+
+async def _cpu_of(ranks) -> float:
+    return sum(await asyncio.gather(*(r.__ray_call__.remote(_cpu) for r in ranks)))
+
+
+# Publisher figures reported beside the whole (rl_async/loop/publish.py)
+PARTS = ("snapshot_seconds", "transfer_seconds", "receive_seconds", "load_seconds",
+         "drain_seconds", "commit_seconds", "pause_seconds")
+
+
 @ray.remote(num_cpus=0)
 class PublicationBench:
     async def run(self, cfg, plan, reps: int) -> dict:
@@ -71,21 +88,24 @@ class PublicationBench:
             ranks = [fleet.trainers[0], *fleet.engines]
             publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                                   cfg.publication.timeout_s)
-            pub, transfer, raw, inner = [], [], [], []
+            pub, raw, inner, parts, cpu_pub, cpu_raw = [], [], [], [], [], []
             nbytes = 0
             for rep in range(reps):
+                c0 = await _cpu_of(ranks)
                 t0 = time.perf_counter()
-                result = await publisher.publish(2 * rep + 1, fleet)
+                result = await publisher.publish(rep + 1, fleet)
                 pub.append(time.perf_counter() - t0)
+                cpu_pub.append(await _cpu_of(ranks) - c0)
                 nbytes = result.bytes
-                t0 = time.perf_counter()
-                await fleet.transfer(2 * rep + 2)
-                transfer.append(time.perf_counter() - t0)
+                metrics = result.metrics()
+                parts.append({k: metrics[f"publish/{k}"] for k in PARTS})
                 await asyncio.gather(*(r.__ray_call__.remote(_raw_prepare, nbytes) for r in ranks))
+                c0 = await _cpu_of(ranks)
                 t0 = time.perf_counter()
                 times = await asyncio.gather(*(r.__ray_call__.remote(_raw_broadcast)
                                                for r in ranks))
                 raw.append(time.perf_counter() - t0)
+                cpu_raw.append(await _cpu_of(ranks) - c0)
                 inner.append(max(times))
                 await asyncio.gather(*(r.__ray_call__.remote(_raw_release) for r in ranks))
             # the timed publications really moved the weights (the trainer is idle: its
@@ -95,8 +115,10 @@ class PublicationBench:
             assert got == [want] * len(got), "an engine does not hold the published weights"
         finally:
             await fleet.shutdown()
-        return {"publication": pub, "transfer": transfer, "raw": raw, "raw_inner": inner,
-                "bytes": nbytes, "buckets": -(-nbytes // cfg.publication.bucket_bytes)}
+        return {"publication": pub, "raw": raw, "raw_inner": inner, "bytes": nbytes,
+                "cpu_publication": cpu_pub, "cpu_raw": cpu_raw,
+                "buckets": -(-nbytes // cfg.publication.bucket_bytes),
+                **{k: [p[k] for p in parts] for k in PARTS}}
 
 
 def main() -> None:
@@ -124,17 +146,24 @@ def main() -> None:
         out = ray.get(PublicationBench.remote().run.remote(cfg, report.plan, args.reps))
     finally:
         ray.shutdown()
-    med = {k: statistics.median(out[k]) for k in ("publication", "transfer", "raw", "raw_inner")}
+    med = {k: statistics.median(out[k]) for k in ("publication", "raw", "raw_inner",
+                                                  "cpu_publication", "cpu_raw", *PARTS)}
     line = {"publication_seconds": round(med["publication"], 4),
             "raw_broadcast_seconds": round(med["raw"], 4),
             "ratio": round(med["publication"] / med["raw"], 3),
             "bytes": out["bytes"], "megabytes": round(out["bytes"] / 2**20, 1),
-            "transfer_seconds": round(med["transfer"], 4),
-            "transfer_ratio": round(med["transfer"] / med["raw"], 3),
+            **{k: round(med[k], 4) for k in PARTS},
+            "transfer_ratio": round(med["transfer_seconds"] / med["raw"], 3),
+            "pause_fraction": round(med["pause_seconds"] / med["transfer_seconds"], 4),
             "raw_in_process_seconds": round(med["raw_inner"], 4),
+            # CPU seconds of the trainer and engine processes: what the work costs, which
+            # other load on the machine does not change (the wall ratio it does)
+            "cpu_seconds": round(med["cpu_publication"], 4),
+            "raw_cpu_seconds": round(med["cpu_raw"], 4),
+            "cpu_ratio": round(med["cpu_publication"] / med["cpu_raw"], 3),
             "buckets": out["buckets"], "engines": 2, "reps": args.reps,
             "samples": {k: [round(x, 4) for x in out[k]]
-                        for k in ("publication", "transfer", "raw")}}
+                        for k in ("publication", "raw", "transfer_seconds")}}
     print(json.dumps(line), flush=True)
 
 

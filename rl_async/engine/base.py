@@ -177,6 +177,25 @@ class Engine(abc.ABC):
         """One bucket over channel `group_name`; the call carrying `weight_version` is the
         last. `flush_cache` (None: on the last bucket) drops the prefix cache after it."""
 
+    # Whether the engine can receive a publication while it generates and switch to it at
+    # once (stage_weights / commit_weights). Without it, a publication loads in place with
+    # the engine paused (update_weights_from_distributed, bucket by bucket).
+    stages_weights = False
+
+    async def stage_weights(self, buckets: list[tuple], group_name: str, version: int,
+                            fingerprints: list[str], digest: str) -> dict:
+        """Receive every bucket of a publication into a staging buffer while generating,
+        check each bucket's fingerprint and the whole model's digest; returns {"verified",
+        "error", "digest", "receive_seconds", "load_seconds"} (rl_async/engine/
+        embedded_weights.py)."""
+        raise EngineError(f"{type(self).__name__} cannot stage weights (stages_weights is "
+                          f"False): publish with update_weights_from_distributed")
+
+    async def commit_weights(self, version: int) -> dict:
+        """Switch to the verified staged `version` between two steps; {"pause_seconds"}."""
+        raise EngineError(f"{type(self).__name__} cannot stage weights (stages_weights is "
+                          f"False): publish with update_weights_from_distributed")
+
     async def weights_checksum(self) -> str:
         raise EngineError(f"{type(self).__name__} cannot report a checksum of the weights it "
                           f"serves; publication.verify_checksum = true needs engine.backend = "

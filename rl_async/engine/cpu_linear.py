@@ -96,6 +96,10 @@ class PackedLinears:
 
     def __init__(self, model: torch.nn.Module):
         self.modules = linear_modules(model)
+        # the linears by their weight Parameter (a tied weight serves several of them)
+        self.by_weight: dict[int, list[torch.nn.Linear]] = {}
+        for m in self.modules:
+            self.by_weight.setdefault(id(m.weight), []).append(m)
         self._packed: dict[int, torch.Tensor] = {}
         self.refresh()
         for module in self.modules:
@@ -106,6 +110,27 @@ class PackedLinears:
         """Re-pack every weight from the parameters as they are now (after a weight load)."""
         self._packed = {id(m): torch.ops.mkldnn._reorder_linear_weight(m.weight.detach())
                         for m in self.modules}
+
+    def pack(self, weights: list[tuple[torch.nn.Parameter, torch.Tensor]]
+             ) -> dict[int, torch.Tensor]:
+        """Packed copies of `tensor` for the linears whose weight is `parameter` (a staged
+        bucket's new values), without touching the ones in use: a staged publication packs
+        before its commit, outside the engine's pause."""
+        out = {}
+        for param, tensor in weights:
+            modules = self.by_weight.get(id(param), [])
+            if modules:
+                packed = torch.ops.mkldnn._reorder_linear_weight(tensor.detach())
+                out.update({id(m): packed for m in modules})
+        return out
+
+    def install(self, packed: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Serve from `packed` (from pack()) from the next call on (under the step lock).
+        Returns the replaced packed weights: the caller frees them after the lock, so the
+        pause does not include returning their memory."""
+        old = [self._packed[k] for k in packed if k in self._packed]
+        self._packed.update(packed)
+        return old
 
     def _forward_of(self, key: int):
         def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,11 @@ Pause modes (SPEC §10):
 While paused, new `generate` calls wait in the queue.
 
 Weights and KV (LESSONS miles#2782): nothing computed under old weights is reused after a
-weight load: every `update_weights_*` call retracts the running requests (frozen ones are
-rebuilt on continue), empties the prompt cache and re-packs the linears. Load all buckets of
-one publication while paused: a request admitted between two would run on half-updated weights.
+weight load: every load (a publication's commit, or an `update_weights_*` call) retracts the
+running requests (frozen ones are rebuilt on continue), empties the prompt cache and swaps
+in re-packed linears. A publication is staged while generation goes on and switched in
+between two steps (embedded_weights.py); a direct load of several buckets must run while
+paused: a request admitted between two would run on half-updated weights.
 `flush_cache` empties the prompt cache and, while paused (in_place), drops the running
 requests' KV (rebuilt on continue, counted as refreshes).
 """
@@ -58,6 +60,8 @@ from rl_async.state.weights import weights_checksum
 
 
 class EmbeddedEngine(EngineWeightsMixin, Engine):
+    stages_weights = True
+
     def __init__(self, config: EmbeddedEngineConfig):
         self.config = config
         if config.torch_threads is not None:
@@ -91,8 +95,13 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._requests: dict[str, Request] = {}
-        self._recv_buffers: dict[tuple[str, ...], torch.Tensor] = {}
-        self._bound: set[tuple[str, ...]] = set()  # buckets the parameters are views into
+        # Publication buffers (embedded_weights.py): two per bucket, the parameters are
+        # views of the live one; a staged publication waits in the other until commit.
+        self._slots: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        self._live: dict[tuple[str, ...], int] = {}
+        self._staged = None
+        self.committed_digest: str | None = None  # model digest of the committed version
+        self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_*)
         self._joined: set[str] = set()  # publication channels joined, not destroyed
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0,

@@ -1,24 +1,58 @@
-"""Weight updates of the embedded engine: from a collective group or from tensors.
+"""Weight updates of the embedded engine: staged publications, and direct loads.
 
-A mixin of `EmbeddedEngine` (split out to keep files small). Buckets arrive flat over the
-publication group (rl_async.state.collective); after the first load of a bucket the parameters
-ARE views into its receive buffer, so later publications land in the weights with no copy.
+A mixin of `EmbeddedEngine` (split out to keep files small). A publication is a transaction
+(rl_async/loop/publish.py), and the engine's part of it runs while it keeps generating:
+
+    stage_weights    prepare + transfer + verify, outside the step lock: every bucket is
+                     received into a STAGING buffer (never the one the parameters are views
+                     of), its fingerprint taken (rl_async.state.weights.bucket_fingerprint)
+                     and compared with the trainer's, the whole model's digest compared with
+                     the snapshot's, and what the next weights need before they serve (the
+                     oneDNN packing of the linears) prepared. Bucket i+1 is received while
+                     bucket i is checked and packed. Generation goes on under the old weights
+                     meanwhile; nothing it reads is touched.
+    commit_weights   the switch, under the step lock (between two steps): the parameters
+                     become views of the staged buffers, the packed linears are swapped in,
+                     the version is set, the prompt cache emptied and running requests
+                     retracted. Only this is a pause, and it copies nothing. A step after it
+                     samples, and stamps, with the new version.
+
+Until commit the engine serves its committed version; a transfer that fails or does not
+verify is simply never committed (the next stage overwrites it). Two buffers per bucket
+(one live, one staging) are the price: twice the weights' memory once a second version
+arrived.
+
+`update_weights_from_distributed` (one bucket per call, SGLang's API) and
+`update_weights_from_tensor` load at once, without a transaction.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import dataclass, field
 
 import torch
 
 from rl_async.state import collective
 from rl_async.engine.base import EngineError
-from rl_async.state.weights import bucket_nbytes, unflatten_bucket
+from rl_async.state.weights import (bucket_fingerprint, bucket_nbytes, model_digest,
+                                    unflatten_bucket)
+
+
+@dataclass
+class _Staged:
+    """One staged publication: what commit_weights installs."""
+    version: int
+    digest: str
+    buckets: list[tuple[tuple[str, ...], int, list]] = field(default_factory=list)
+    packed: dict = field(default_factory=dict)  # oneDNN-packed linears of the new weights
 
 
 class EngineWeightsMixin:
-    """Needs from the engine: `device`, `_params`, `_version`, `_recv_buffers`, `_bound`,
-    `_joined` (a set), `_guard()`, `_weights_changed()`, `_retract_running()`."""
+    """Needs from the engine: `device`, `_params`, `_version`, `_slots`, `_live`, `_staged`,
+    `_joined` (a set), `_linears`, `_guard()`, `_weights_changed()`, `_retract_running()`,
+    `prefix_cache`, `debug_faults` (a dict; fault-injection tests only)."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
@@ -39,50 +73,145 @@ class EngineWeightsMixin:
     def weight_update_groups(self) -> list[str]:
         return sorted(self._joined)
 
+    def _group(self, group_name: str, what: str):
+        if group_name not in self._joined:
+            raise EngineError(f"{what}: channel {group_name!r} was never joined by this "
+                              f"engine (joined: {self.weight_update_groups()})")
+        return collective.get_group(group_name)
+
+    def _staging_buffer(self, key: tuple[str, ...], nbytes: int) -> tuple[int, torch.Tensor]:
+        """The buffer of bucket `key` the parameters are NOT views of: (slot, buffer)."""
+        slots = self._slots.setdefault(key, [])
+        slot = 1 - self._live[key] if key in self._live else 0
+        while len(slots) <= slot:
+            slots.append(torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+        return slot, slots[slot]
+
+    # ---- the staged transaction ----------------------------------------------------------
+    async def stage_weights(self, buckets: list[tuple], group_name: str, version: int,
+                            fingerprints: list[str], digest: str) -> dict:
+        """Prepare, transfer and verify a publication of `version` (module docstring);
+        generation goes on meanwhile. Every bucket is received even after one failed its
+        check, so the sender is never left waiting. Returns {"verified", "error", "digest",
+        "receive_seconds", "load_seconds"}; commit_weights installs a verified one."""
+        group = self._group(group_name, "stage_weights")
+        self._check_version(version)
+        self._staged = None  # an older staging that was never committed is dropped
+        count, start = len(buckets), time.perf_counter()
+        staged = _Staged(version, digest)
+        checks: list[asyncio.Future] = []
+        for i, (names, dtypes, shapes, *_rest) in enumerate(buckets):
+            key = tuple(names)
+            slot, flat = self._staging_buffer(key, bucket_nbytes(dtypes, shapes))
+            if "before_bucket" in self.debug_faults:
+                self.debug_faults["before_bucket"](i)
+            await asyncio.to_thread(torch.distributed.broadcast, flat, group=group,
+                                    group_src=0)
+            if self.debug_faults.get("corrupt_bucket") == i:
+                del self.debug_faults["corrupt_bucket"]
+                flat[0] ^= 0xFF  # as a bit flip in transit would
+            staged.buckets.append((key, slot, []))
+            # checked and packed beside the next bucket's receive
+            checks.append(asyncio.ensure_future(asyncio.to_thread(
+                self._check_bucket, staged, i, count, flat, (names, dtypes, shapes),
+                fingerprints[i])))
+        received = time.perf_counter()
+        results = await asyncio.gather(*checks)
+        errors = [e for e, _ in results if e]
+        got = model_digest(buckets, [fp for _, fp in results])
+        if not errors and got != digest:
+            errors.append(f"the model digest {got[:12]} is not the snapshot's {digest[:12]}")
+        if not errors:
+            self._staged = staged
+        return {"verified": not errors, "error": "; ".join(errors) or None, "digest": got,
+                "receive_seconds": received - start,
+                "load_seconds": time.perf_counter() - received}
+
+    def _check_bucket(self, staged: _Staged, i: int, count: int, flat: torch.Tensor,
+                      meta: tuple, want: str) -> tuple[str | None, str]:
+        """In a worker thread: bucket i's fingerprint against the trainer's, its tensors
+        named and shaped like the model's, and its linears packed. (error or None, fp)."""
+        got = bucket_fingerprint(flat)
+        if got != want:
+            return (f"bucket {i + 1}/{count}: fingerprint {got[:12]} is not the trainer's "
+                    f"{want[:12]} (corrupted in transit)"), got
+        try:
+            self._check_names(meta[0], meta[2])
+        except EngineError as exc:
+            return f"bucket {i + 1}/{count}: {exc}", got
+        named = unflatten_bucket(flat, *meta)
+        staged.buckets[i][2].extend(named)
+        if self._linears is not None:
+            staged.packed.update(self._linears.pack([(self._params[n], t) for n, t in named]))
+        return None, got
+
+    async def commit_weights(self, version: int) -> dict:
+        """The switch to the verified staged `version` (module docstring); returns the
+        seconds no step could run ({"pause_seconds"}). Committing the version already held
+        is a no-op (a retried commit)."""
+        replaced: list = []  # the old weights' memory, released after the pause
+        async with self._guard():
+            begun = time.perf_counter()
+            if self._staged is None or self._staged.version != version:
+                if version == self._version and self._staged is None:
+                    return {"pause_seconds": 0.0}
+                raise EngineError(f"commit_weights({version}): no verified staged weights "
+                                  f"of that version (staged: "
+                                  f"{self._staged.version if self._staged else None}); "
+                                  f"a version is committed only after stage_weights "
+                                  f"verified it")
+            staged, self._staged = self._staged, None
+            with torch.no_grad():
+                for key, slot, named in staged.buckets:
+                    for name, tensor in named:
+                        replaced.append(self._install(name, tensor))
+                    self._live[key] = slot
+            if self._linears is not None:
+                replaced += self._linears.install(staged.packed)
+            self._version = version
+            self.committed_digest = staged.digest
+            self.prefix_cache.clear()
+            self._retract_running()
+            pause = time.perf_counter() - begun
+        del replaced
+        return {"pause_seconds": pause}
+
+    def _install(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Parameter `name` becomes `tensor` (a view of the staged buffer: no copy); returns
+        what it held before (the caller decides when that memory goes)."""
+        param = self._params[name]
+        if tensor.dtype == param.dtype and tensor.device == param.device:
+            old, param.data = param.data, tensor
+            return old
+        param.copy_(tensor.to(param.device))
+        return None
+
+    # ---- direct loads --------------------------------------------------------------------
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str],
                                               shapes: list[list[int]], group_name: str,
                                               weight_version: int | None = None, *,
                                               flush_cache: bool | None = None) -> None:
-        """`flush_cache` is moot here: every update retracts running requests and empties
-        the prompt cache (`_weights_changed`), so no KV of old weights survives."""
-        if group_name not in self._joined:
-            raise EngineError(f"update_weights_from_distributed: channel {group_name!r} was "
-                              f"never joined by this engine (joined: {self.weight_update_groups()})")
-        group = collective.get_group(group_name)
-        # Always take part in the broadcast (the sender would hang otherwise); check after.
-        # One receive buffer per bucket, kept across publications. After the first load the
-        # parameters ARE views into it (zero-copy): later broadcasts land in the weights.
+        """One bucket, loaded at once. `flush_cache` is moot here: every load retracts
+        running requests and empties the prompt cache (`_weights_changed`), so no KV of old
+        weights survives. Load every bucket of a publication while paused: a request
+        admitted between two would run on half-updated weights (stage_weights has none)."""
+        group = self._group(group_name, "update_weights_from_distributed")
         key = tuple(names)
-        flat = self._recv_buffers.get(key)
-        if flat is None:
-            flat = self._recv_buffers[key] = torch.empty(
-                bucket_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device)
-        if key in self._bound:
-            # The bucket is the weights: receive under the guard, so no step ever runs on a
-            # half-written bucket, then finish the update as update_weights_from_tensor does.
-            async with self._guard():
-                await asyncio.to_thread(torch.distributed.broadcast, flat, group=group,
-                                        group_src=0)
-                self._set_version(weight_version)
-                self._weights_changed()
-                self._retract_running()
-            return
-        # Receive outside the lock (generation may go on); load under it, between two steps.
+        # Received outside the lock into the buffer not in use (generation may go on), then
+        # bound under it. Always take part in the broadcast (the sender would hang), check
+        # after.
+        slot, flat = self._staging_buffer(key, bucket_nbytes(dtypes, shapes))
         await asyncio.to_thread(torch.distributed.broadcast, flat, group=group, group_src=0)
+        self._check_names(names, shapes)
         named = unflatten_bucket(flat, names, dtypes, shapes)
-        await self.update_weights_from_tensor(named, weight_version)
-        self._bind(key, named)
-
-    def _bind(self, key: tuple[str, ...], named: list) -> None:
-        """Make the parameters views into the receive buffer when every tensor is a view of
-        the same dtype, shape and device (no clone was needed), so later loads are free."""
-        views = [(self._params[n], t) for n, t in named]
-        if all(t._base is not None and t.dtype == p.dtype and t.shape == p.shape
-               and t.device == p.device for p, t in views):
+        async with self._guard():
+            self._set_version(weight_version)
             with torch.no_grad():
-                for p, t in views:
-                    p.data = t
-            self._bound.add(key)
+                for name, tensor in named:
+                    self._install(name, tensor)
+            self._live[key] = slot
+            self._weights_changed()
+            self._retract_running()
 
     def _check_version(self, weight_version: int | None) -> None:
         if weight_version is not None and (not isinstance(weight_version, int)
@@ -121,4 +250,3 @@ class EngineWeightsMixin:
             if list(self._params[name].shape) != [int(d) for d in shape]:
                 raise EngineError(f"weight update: {name!r} has shape {list(shape)}, the "
                                   f"engine's is {list(self._params[name].shape)}")
-

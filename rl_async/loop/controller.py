@@ -389,6 +389,7 @@ class Controller:
             "ledger": await self.fleet.ledger(),
             "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
             "rollout": await self.fleet.rollout(),
+            "publication": self.publisher.summary(),
             "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),

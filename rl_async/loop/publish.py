@@ -1,36 +1,47 @@
-"""Weight publication: the controller's state machine (SPEC §9).
+"""Weight publication: the controller's state machine (SPEC §9, §13).
+
+Engines that stage weights (the embedded engine) receive the next version while they keep
+generating with the current one; a publication is a transaction per engine, and the engines
+pause only for the switch:
+
+    idle --> snapshotting --> transferring --> pausing --> committing --> resuming --> idle
+                  |                                                            ^
+                  +------------------- (any error) ----> failed (raised; the run stops)
+
+    snapshotting: trainer rank 0 copies the weights into its publication buffers, with a
+                  fingerprint per bucket and the model's digest. Once that is done
+                  (`snapshotted` is set) the trainer may take its next optimizer step while
+                  the rest runs: the controller overlaps the two when the lag allows it.
+    transferring: prepare + transfer + verify, while every engine goes on generating: each
+                  engine receives every bucket into a staging buffer, checks each bucket's
+                  fingerprint and the whole model's digest against the snapshot's. An
+                  engine that fails or does not verify keeps its committed version (or is
+                  lost and restarted); it is never half-updated.
+    pausing:      refresh.mode = off: the producer holds new requests and those in flight
+                  finish under the weights they started with (`publication.drain_timeout_s`;
+                  past it the rest are aborted and regenerated). mixed_policy: nothing.
+    committing:   each verified engine switches to the staged weights between two of its
+                  steps (mixed_policy: running requests are retracted and rebuilt under the
+                  new weights, tokens keep their versions); steps after it stamp the new
+                  version. This switch is `pause_seconds`.
+    resuming:     the producer sends requests again.
+
+Engines that cannot stage (SGLang 0.5.23 loads into the live weights inside its scheduler:
+docs/publication.md) are paused for the whole transfer:
 
     idle --> snapshotting --> pausing --> transferring --> resuming --> idle
-                  |                                             ^
-                  +---------------- (any error) ----> failed (raised; the run stops)
 
-snapshotting: trainer rank 0 copies the weights into its publication buffers. Once that is
-done (`snapshotted` is set) the trainer may take its next optimizer step while the rest of
-the publication (the drain above all) runs: the controller overlaps the two when the lag
-allows it.
-
-refresh.mode = off ("no response mixes policies"):
-    pausing:      the producer sends no new generation request; requests already at the
-                  engines finish under the weights they started with, for at most
-                  `publication.drain_timeout_s`; past it the rest are aborted (their groups are
-                  regenerated from the original prompts and the aborted tokens counted).
-    transferring: bucketed, flattened tensors go from trainer rank 0 to every engine over the
-                  collective group; engines record the new version.
+    pausing:      as above (mixed_policy: engines retract running requests).
+    transferring: bucketed, flattened tensors from trainer rank 0 to every engine; the last
+                  bucket sets the version.
     resuming:     engines continue; the producer sends requests again.
-
-refresh.mode = mixed_policy:
-    pausing:      engines retract running requests (back to waiting, KV dropped).
-    transferring: as above.
-    resuming:     engines continue; retracted requests rebuild their prefix under the new
-                  weights without resampling; every token keeps its version and log-prob.
 
 One transfer at a time: a second `publish` while one runs is an error, not a queue.
 
 Deadline: the whole publication (snapshot to resume) must finish within
 `publication.timeout_s`. A hung broadcast (a dead engine, a wedged NCCL communicator) fails
 the run with the version, the stage and the bucket named, instead of waiting out NCCL's
-watchdog (30 minutes by default). The transfer reports its progress bucket by bucket so the
-error says where it stopped.
+watchdog (30 minutes by default).
 """
 
 from __future__ import annotations
@@ -38,7 +49,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, TypeVar
 
 from rl_async.base import clock
@@ -50,6 +61,7 @@ class PubState(enum.Enum):
     SNAPSHOTTING = "snapshotting"
     PAUSING = "pausing"
     TRANSFERRING = "transferring"
+    COMMITTING = "committing"
     RESUMING = "resuming"
     FAILED = "failed"
 
@@ -67,7 +79,10 @@ BucketProgress = Callable[[int, int], None]
 
 
 class PublicationOps(Protocol):
-    """What the state machine drives; implemented over Ray actor handles in actors/."""
+    """What the state machine drives; implemented over Ray actor handles in actors/.
+
+    `stages_weights` (an attribute; absent means False): `send` stages and verifies while
+    the engines generate, and `commit` switches them to it (module docstring)."""
 
     async def snapshot(self) -> None: ...
     async def stop_submissions(self) -> None: ...
@@ -77,6 +92,9 @@ class PublicationOps(Protocol):
     async def send(self, version: int, progress: BucketProgress) -> int: ...
     async def continue_engines(self) -> None: ...
     async def resume_submissions(self) -> None: ...
+    # Staged engines only: switch the verified ones to `version`; returns the publication's
+    # engine-side figures: at least {"pause_seconds", "aborted_transfers"}.
+    async def commit(self, version: int) -> dict[str, float]: ...
 
 
 @dataclass
@@ -92,9 +110,18 @@ class PublicationResult:
     # The first control call (stop submissions, or the retracting pause): one actor round
     # trip, which each of the publication's control calls costs (the simulator's calibration).
     control_seconds: float = 0.0
+    # Seconds the engines could not generate: the switch when they stage (the longest
+    # engine's), the whole transfer and resume when they load in place.
+    pause_seconds: float = 0.0
+    # Engines that received (part of) this version and did not commit it.
+    aborted_transfers: int = 0
+    engine: dict[str, float] = field(default_factory=dict)  # ops.commit's other figures
 
     def metrics(self) -> dict[str, float]:
         return {"publish/publication_seconds": self.publication_seconds,
+                "publish/pause_seconds": self.pause_seconds,
+                "publish/aborted_transfers": float(self.aborted_transfers),
+                **{f"publish/{k}": float(v) for k, v in self.engine.items()},
                 "publish/paused_seconds": self.paused_seconds,
                 "publish/drain_seconds": self.drain_seconds,
                 "publish/transfer_seconds": self.transfer_seconds,
@@ -116,6 +143,8 @@ class Publisher:
         self.state = PubState.IDLE
         self.history: list[PubState] = []
         self._bucket: tuple[int, int] | None = None  # (index, count) of the bucket in flight
+        self.totals = {"publications": 0, "pause_seconds": 0.0, "pause_seconds_max": 0.0,
+                       "transfer_seconds": 0.0, "drain_seconds": 0.0, "aborted_transfers": 0}
 
     def _enter(self, state: PubState) -> None:
         self.state = state
@@ -146,6 +175,9 @@ class Publisher:
         await ops.snapshot()
         self._enter(PubState.TRANSFERRING)
         sent = await ops.send(version, self._on_bucket)
+        if getattr(ops, "stages_weights", False):
+            self._enter(PubState.COMMITTING)
+            await ops.commit(version)
         self._enter(PubState.IDLE)
         return sent
 
@@ -175,25 +207,72 @@ class Publisher:
     async def _publish(self, version: int, ops: PublicationOps,
                        snapshotted: asyncio.Event | None) -> PublicationResult:
         start = clock.now()
-        drained = True
         self._enter(PubState.SNAPSHOTTING)
         await ops.snapshot()
         if snapshotted is not None:
             snapshotted.set()
         snap_at = clock.now()
+        if getattr(ops, "stages_weights", False):
+            result = await self._staged(version, ops)
+        else:
+            result = await self._in_place(version, ops)
+        end = clock.now()
+        result.publication_seconds, result.snapshot_seconds = end - start, snap_at - start
+        self._enter(PubState.IDLE)
+        self._count(result)
+        return result
+
+    async def _hold(self, ops: PublicationOps) -> tuple[bool, bool, float]:
+        """refresh.mode = off: hold new requests and let those in flight finish (abort the
+        rest past the drain timeout). Returns (drained in time, engines paused, when the
+        producer had stopped submitting)."""
+        await ops.stop_submissions()
+        stopped_at = clock.now()
+        if await ops.drain(self.drain_timeout_s):
+            return True, False, stopped_at
+        await ops.pause_engines("abort")
+        # The aborted replies come back promptly; wait for them so no request straddles
+        # the update.
+        if not await ops.drain(self.drain_timeout_s):
+            raise PublicationError(
+                f"engines still had requests in flight {self.drain_timeout_s}s after "
+                f"abort; not updating weights under them")
+        return False, True, stopped_at
+
+    async def _staged(self, version: int, ops: PublicationOps) -> PublicationResult:
+        begun = clock.now()
+        self._enter(PubState.TRANSFERRING)  # engines keep generating meanwhile
+        sent = await ops.send(version, self._on_bucket)
+        transferred = clock.now()
+        self._enter(PubState.PAUSING)
+        drained, paused = True, False
+        if self.refresh_mode == "off":
+            drained, paused, _ = await self._hold(ops)
+        held = clock.now()
+        self._enter(PubState.COMMITTING)
+        engine = dict(await ops.commit(version))
+        committed = clock.now()
+        self._enter(PubState.RESUMING)
+        if paused:
+            await ops.continue_engines()
+        if self.refresh_mode == "off":
+            await ops.resume_submissions()
+        end = clock.now()
+        pause = float(engine.pop("pause_seconds", 0.0))
+        aborted = int(engine.pop("aborted_transfers", 0))
+        engine["commit_seconds"] = committed - held
+        return PublicationResult(
+            version=version, publication_seconds=0.0, paused_seconds=end - transferred,
+            drain_seconds=held - transferred, transfer_seconds=transferred - begun,
+            drained=drained, bytes=sent, control_seconds=0.0, pause_seconds=pause,
+            aborted_transfers=aborted, engine=engine)
+
+    async def _in_place(self, version: int, ops: PublicationOps) -> PublicationResult:
+        begun = clock.now()
+        drained = True
         self._enter(PubState.PAUSING)
         if self.refresh_mode == "off":
-            await ops.stop_submissions()
-            stopped_at = clock.now()
-            drained = await ops.drain(self.drain_timeout_s)
-            if not drained:
-                await ops.pause_engines("abort")
-                # The aborted replies come back promptly; wait for them so no request
-                # straddles the update.
-                if not await ops.drain(self.drain_timeout_s):
-                    raise PublicationError(
-                        f"engines still had requests in flight {self.drain_timeout_s}s after "
-                        f"abort; not updating weights under them")
+            drained, _, stopped_at = await self._hold(ops)
         else:
             await ops.pause_engines("retract")
             stopped_at = clock.now()
@@ -205,9 +284,22 @@ class Publisher:
         await ops.continue_engines()
         await ops.resume_submissions()
         end = clock.now()
-        self._enter(PubState.IDLE)
         return PublicationResult(
-            version=version, publication_seconds=end - start, paused_seconds=end - snap_at,
-            drain_seconds=paused_at - snap_at, transfer_seconds=transferred_at - paused_at,
-            drained=drained, bytes=sent, snapshot_seconds=snap_at - start,
-            control_seconds=stopped_at - snap_at)
+            version=version, publication_seconds=0.0, paused_seconds=end - begun,
+            drain_seconds=paused_at - begun, transfer_seconds=transferred_at - paused_at,
+            drained=drained, bytes=sent, control_seconds=stopped_at - begun,
+            pause_seconds=end - paused_at)
+
+    def _count(self, result: PublicationResult) -> None:
+        t = self.totals
+        t["publications"] += 1
+        t["pause_seconds"] += result.pause_seconds
+        t["pause_seconds_max"] = max(t["pause_seconds_max"], result.pause_seconds)
+        t["transfer_seconds"] += result.transfer_seconds
+        t["drain_seconds"] += result.drain_seconds
+        t["aborted_transfers"] += result.aborted_transfers
+
+    def summary(self) -> dict:
+        """The run summary's `publication` (SPEC §13): seconds summed over the run's
+        publications (the start-up transfer of version 0 excluded)."""
+        return {k: round(v, 4) if isinstance(v, float) else v for k, v in self.totals.items()}

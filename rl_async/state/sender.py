@@ -49,8 +49,8 @@ import torch.distributed as dist
 
 from rl_async.state import collective
 from rl_async.state.device_buckets import DeviceBuckets
-from rl_async.state.weights import (flatten_bucket, require_finite, unflatten_bucket,
-                                    weights_checksum)
+from rl_async.state.weights import (bucket_fingerprint, flatten_bucket, model_digest,
+                                    require_finite, unflatten_bucket, weights_checksum)
 
 Meta = tuple[list[str], list[str], list[list[int]], int]  # names, dtypes, shapes, bytes
 
@@ -60,7 +60,9 @@ class Snapshot:
     buckets: list[torch.Tensor]  # one flat uint8 buffer per bucket
     metas: list[Meta]
     flat: bool                   # one broadcast per bucket, or one per tensor (SGLang)
-    checksum: str | None
+    checksum: str | None         # weights_checksum (publication.verify_checksum)
+    fingerprints: list[str]      # bucket_fingerprint of each bucket: engines check theirs
+    digest: str                  # model_digest: what a staged engine must hold to commit
 
     @property
     def nbytes(self) -> int:
@@ -193,7 +195,7 @@ class PublicationSender:
         may be a generator: at most one bucket's tensors are held beside the snapshot."""
         host = "cpu"
         pin = self.device.type == "cuda"
-        buckets, metas = [], []
+        buckets, metas, fingerprints = [], [], []
         pending: list[tuple[str, torch.Tensor]] = []
 
         def pack() -> None:
@@ -206,6 +208,7 @@ class PublicationSender:
                 out.copy_(flat)
             buckets.append(out)
             metas.append((names, dtypes, shapes, nbytes))
+            fingerprints.append(bucket_fingerprint(out))
             pending.clear()
 
         # The splitting rule of weights.bucket_named_tensors (order kept, a new bucket when
@@ -227,7 +230,8 @@ class PublicationSender:
                   if checksum else None)
         if self.staged is not None:  # a staged snapshot never sent: its buffers are free
             self._spare.extend(self.staged.buckets)
-        self.staged = Snapshot(buckets, metas, flat, digest)
+        self.staged = Snapshot(buckets, metas, flat, digest, fingerprints,
+                               model_digest(metas, fingerprints))
         return metas
 
     def _buffer(self, nbytes: int, device: str, pin: bool) -> torch.Tensor:

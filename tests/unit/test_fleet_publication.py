@@ -41,6 +41,8 @@ class Fleet(FleetPublication):
         self.members_lock = asyncio.Lock()
         self._channel_generation, self.version_hint = 0, 0
         self._metas = self._published_metas = [(["w"], ["float32"], [[1]], 4)]
+        self._init_staging()
+        self.fault_log: list[dict] = []
         self.lost_engines: list[tuple[int, str]] = []
         self.supervisor = types.SimpleNamespace(
             spawn_restart=lambda i, cause: self.lost_engines.append((i, cause)))
@@ -67,8 +69,7 @@ async def _value(v):
 
 def test_a_catch_up_that_never_ends_fails_within_the_publication_deadline():
     async def main():
-        fleet = Fleet([engine(init_weights_update_group=nothing,
-                              update_weights_from_distributed=nothing)],
+        fleet = Fleet([engine(init_weights_update_group=nothing, stage_weights=forever)],
                       trainer(send_publication=forever), timeout_s=1)
         fleet.pending_up = {0}  # a replacement, and nothing else can generate
         with pytest.raises(TimeoutError, match=r"catching up replacement engines \[0\].*"

@@ -1,0 +1,117 @@
+"""The staged publication of RayFleet (engines that stage weights: the embedded engine): a
+transaction per engine, with the engines generating until the switch.
+
+    stage    (members_lock) every live engine with a channel of its incarnation: trainer
+             rank 0 sends the snapshot while each engine receives it into its staging
+             buffers and checks each bucket's fingerprint and the model digest
+             (EngineActor.stage_weights). An engine whose channel or receive fails is lost
+             (restarted, caught up later); one whose buckets do not verify keeps serving its
+             committed version and gets the next publication as usual. Both count as
+             aborted transfers; neither is ever half-updated.
+    commit   (members_lock, after the producer's drain) each verified engine, if it is still
+             the incarnation that verified, switches between two of its steps
+             (EngineActor.commit_weights); a failure loses it. Then the snapshot becomes
+             the published one (catch-ups send it) and replacements that committed rejoin
+             routing.
+
+`committed` records each engine's committed version: `fleet_versions()` reports the fleet's
+minimum and maximum.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray.exceptions import RayActorError
+
+from rl_async.loop.faults import quote
+
+
+class FleetStaging:
+    def _init_staging(self) -> None:
+        self.committed: dict[int, int] = {}  # engine -> the version it committed last
+        self._checks = self._published_checks = ([], "")  # (fingerprints, digest)
+        self._verified: dict[int, int] = {}  # engine -> incarnation that verified
+        self._aborted = 0
+        self._stage_figures: dict[str, float] = {}
+
+    @property
+    def stages_weights(self) -> bool:
+        return self.cfg.engine.backend == "embedded"
+
+    async def _stage_locked(self, version: int, which: str) -> int:
+        """Stage `which` snapshot at `version` on every live engine (module docstring);
+        remembers the engines that verified it for commit()."""
+        metas, checks = ((self._metas, self._checks) if which == "staged"
+                         else (self._published_metas, self._published_checks))
+        fingerprints, digest = checks
+        live = await self._with_channels()
+
+        async def stage(i: int, channel: str) -> dict:
+            return await self.engines[i].stage_weights.remote(
+                metas, channel, version, fingerprints, digest)
+
+        sent, failed, results = await self._transfer(live, metas, stage, which)
+        for i, cause in failed.items():
+            await self.lost(i, cause)
+        self._verified = {i: self.incarnations.get(i, 0) for i, r in results.items()
+                          if r["verified"]}
+        for i, r in results.items():
+            if not r["verified"]:
+                self.fault_log.append({"engine": i, "version": version,
+                                       "cause": f"weights not verified, not committed: "
+                                                f"{r['error']}", "restarted": False})
+        self._aborted = len(failed) + len(results) - len(self._verified)
+        self._stage_figures = {
+            key: max((r[key] for r in results.values()), default=0.0)
+            for key in ("receive_seconds", "load_seconds")}
+        return sent
+
+    async def commit(self, version: int) -> dict[str, float]:
+        """Switch the engines that verified `version` to it (PublicationOps.commit); the
+        longest engine's pause, the aborted transfers and the engines' stage figures."""
+        async with self.members_lock:
+            pause = await self._commit_locked(version, "staged")
+            await self._published(version)
+        return {"pause_seconds": pause, "aborted_transfers": self._aborted,
+                **self._stage_figures}
+
+    async def _commit_locked(self, version: int, which: str) -> float:
+        verified, self._verified = self._verified, {}
+        targets = [i for i, incarnation in verified.items()
+                   if i not in self.down and self.incarnations.get(i, 0) == incarnation]
+        self._aborted += len(verified) - len(targets)  # replaced since they verified
+        timeout_s = self.cfg.publication.channel_timeout_s
+        results = await asyncio.gather(*(asyncio.wait_for(
+            self.engines[i].commit_weights.remote(version), timeout_s) for i in targets),
+            return_exceptions=True)
+        pauses, committed = [], []
+        for i, r in zip(targets, results):
+            if isinstance(r, BaseException):
+                self._aborted += 1
+                await self.lost(i, f"committing version {version} failed: {_cause(r)}")
+            else:
+                pauses.append(r["pause_seconds"])
+                committed.append(i)
+                self.committed[i] = version
+        if self.cfg.publication.verify_checksum:
+            await self.verify_weights(committed, which)
+            committed = [i for i in committed if i not in self.down]
+        for i in sorted(self.pending_up & set(committed)):
+            await self.producer.engine_up.remote(i, self.engines[i])
+            self.pending_up.discard(i)
+        return max(pauses, default=0.0)
+
+    def fleet_versions(self) -> dict[str, int]:
+        """The committed versions of the engines in routing: {"min", "max"}."""
+        serving = [self.committed.get(i, 0) for i in self.live_engines()
+                   if i not in self.pending_up]
+        return {"min": min(serving, default=0), "max": max(serving, default=0)}
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):  # builtin TimeoutError too (3.11)
+        return str(exc) or "no answer within publication.channel_timeout_s"
+    if isinstance(exc, RayActorError):
+        return f"the actor died: {quote(str(exc), 300)}"
+    return f"{type(exc).__name__}: {quote(str(exc), 300)}"
