@@ -165,3 +165,23 @@ def test_an_engine_receive_whose_sender_gave_up_errors_at_the_group_timeout():
     (publication.timeout_s / 3) is what frees a survivor, so the publication can be redone."""
     outcome = run_pair(_silent_sender_or_engine)
     assert outcome != "returned" and "timed out" in outcome.lower(), outcome
+
+
+def test_the_finite_check_reads_a_finite_tensor_without_a_flag_per_element(monkeypatch):
+    """A publication's snapshot checks every weight; `isfinite(t).all()` wrote a bool per
+    element (140 ms for 104 MB, most of the snapshot). A finite sum proves the same; only a
+    non-finite one pays for the exact check, and an overflowing sum is not an error."""
+    from rl_async.state.weights import NonFiniteWeights, require_finite
+
+    seen = []
+    real = torch.isfinite
+    monkeypatch.setattr(torch, "isfinite", lambda t: seen.append(t.numel()) or real(t))
+    require_finite("w", torch.randn(1000), "test")
+    assert seen == [1]  # the sum's verdict only
+    require_finite("w", torch.full((4,), 3e38), "test")  # the sum overflows; all finite
+    bad = torch.randn(1000)
+    bad[3] = float("nan")
+    with pytest.raises(NonFiniteWeights, match="'w' has 1 NaN/inf values of 1000"):
+        require_finite("w", bad, "test")
+    half = torch.full((100,), 60000.0, dtype=torch.float16)  # an fp16 sum overflows early
+    require_finite("h", half, "test")
