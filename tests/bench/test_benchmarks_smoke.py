@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KEYS = {
     "buffer_ops.py": {"capacities", "us_per_group"},
     "engine_throughput.py": {"embedded_tokens_per_s", "hf_generate_tokens_per_s", "ratio"},
-    "weight_publication.py": {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes"},
+    "weight_publication.py": {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes",
+                              "snapshot_seconds", "transfer_seconds", "load_seconds",
+                              "pause_seconds", "pause_fraction", "cpu_ratio"},
     "orchestration.py": {"samples_per_s", "ray_calls_per_sample", "raw_calls_per_s",
                          "controller_overhead_fraction"},
     "async_vs_sync.py": {"speedup"},
