@@ -48,6 +48,7 @@ class EngineSupervisor:
         self.fatal: RunStopped | None = None
         self._task: asyncio.Task | None = None
         self._restarting: set[int] = set()  # the probe and a failed call may both see it
+        self._again: dict[int, str] = {}  # lost again while restarting: the cause
         self._tasks: set[asyncio.Task] = set()  # restarts in flight, one task per engine
 
     def start(self) -> None:
@@ -61,7 +62,12 @@ class EngineSupervisor:
 
     def spawn_restart(self, i: int, cause: str) -> None:
         """Replace engine i in a task of its own: restarts of several engines (a lost node)
-        run concurrently, and the probe loop keeps probing the others meanwhile."""
+        run concurrently, and the probe loop keeps probing the others meanwhile. A
+        replacement lost while its own restart is still running (it died in its catch-up)
+        is replaced again once that restart ends."""
+        if i in self._restarting:
+            self._again[i] = cause
+            return
         task = asyncio.ensure_future(self.restart(i, cause))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -107,6 +113,9 @@ class EngineSupervisor:
                                      "producer.fail")
         finally:
             self._restarting.discard(i)
+        again = self._again.pop(i, None)
+        if again is not None and self.fatal is None and i in self.fleet.down:
+            self.spawn_restart(i, again)
 
     async def _restart(self, i: int, cause: str) -> None:
         fleet = self.fleet

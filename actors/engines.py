@@ -189,9 +189,11 @@ class EngineActor:
 
     def debug_fault(self, kind: str, bucket: int | None = None) -> None:
         """Chaos tests, for the next staged publication: `die_at_bucket` SIGKILLs this
-        engine just before it receives bucket `bucket` (0-based), `corrupt_bucket` flips a
+        engine just before it receives bucket `bucket` (0-based), `stall_at_bucket` blocks
+        it there (a wedged engine: its bucket misses the deadline), `corrupt_bucket` flips a
         byte of that bucket after it arrived, `die_before_commit` SIGKILLs it once its
-        weights are verified and before they are switched in."""
+        weights are verified and before they are switched in. `keep_prompt_cache`: from now
+        on the prompt cache survives weight loads (stale KV, for the audit's tests)."""
         faults = self.engine.debug_faults
         if kind == "die_at_bucket":
             faults["before_bucket"] = (lambda i: os.kill(os.getpid(), signal.SIGKILL)
@@ -200,9 +202,13 @@ class EngineActor:
             faults["corrupt_bucket"] = bucket
         elif kind == "die_before_commit":
             self._die_before_commit = True
+        elif kind == "stall_at_bucket":  # the actor stops answering before that bucket
+            faults["before_bucket"] = (lambda i: time.sleep(3600) if i == bucket else None)
+        elif kind == "keep_prompt_cache":  # the provenance audit's negative control
+            faults["keep_prompt_cache"] = True
         else:
-            raise ValueError(f"debug_fault kind = {kind!r}: die_at_bucket, corrupt_bucket "
-                             f"or die_before_commit")
+            raise ValueError(f"debug_fault kind = {kind!r}: die_at_bucket, corrupt_bucket, "
+                             f"die_before_commit, stall_at_bucket or keep_prompt_cache")
 
     def debug_block(self, seconds: float) -> None:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,

@@ -300,8 +300,10 @@ class RayFleet(FleetPublication):
         results = await asyncio.gather(*(t.train.remote(groups[dp::size], version)
                                          for t, (dp, size) in zip(self.trainers, self.dp_ranks)))
         # With pipeline parallelism rank 0 is the FIRST stage, whose log-prob metrics are
-        # zeros: take the last stage's (see TrainerWorker.reports_metrics).
-        return results[self.metrics_rank]
+        # zeros: take the last stage's (see TrainerWorker.reports_metrics). The audit runs
+        # on rank 0, which holds the published snapshots.
+        return {**results[self.metrics_rank],
+                **{k: v for k, v in results[0].items() if k.startswith("provenance/")}}
 
     async def set_threads(self, engine: int, trainer: int) -> None:
         """torch threads per engine process and per trainer worker (rl_async/loop/threads.py);

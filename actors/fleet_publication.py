@@ -176,7 +176,7 @@ class FleetPublication(FleetStaging):
 
     async def _published(self, version: int) -> None:
         """The staged snapshot is now the published one: what catch-ups send."""
-        await self.trainers[0].commit_publication.remote()
+        await self.trainers[0].commit_publication.remote(version)
         self._published_metas, self._published_checks = self._metas, self._checks
         self.version_hint = version
 

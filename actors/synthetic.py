@@ -88,7 +88,7 @@ class SyntheticTrainerWorker:
             time.sleep(self.trainer.transfer.bucket_seconds(meta[3]) * self.scale)
         return sum(m[3] for m in self._metas), {}
 
-    def commit_publication(self) -> None:
+    def commit_publication(self, version: int | None = None) -> None:
         pass
 
     def save_checkpoint(self, directory: str, extra: dict) -> str | None:

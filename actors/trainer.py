@@ -71,6 +71,7 @@ class TrainerWorker:
         self.trainer = None
         self._store = None  # rank 0: the trainers' rendezvous store (address())
         self._sender: PublicationSender | None = None  # rank 0, on first use
+        self._audit = None  # rank 0, run.audit_fraction > 0, on first use
 
     def address(self) -> tuple[str, int]:
         """Rank 0: host the trainers' rendezvous store (a port bound once and kept; the
@@ -118,6 +119,8 @@ class TrainerWorker:
         if not self.cfg.cluster.trainer_gpus and torch.get_num_threads() != self._threads:
             torch.set_num_threads(self._threads)  # per calling thread: set where it trains
         metrics = self.trainer.train_collection(groups, version)
+        if self.rank == 0 and self.cfg.run.audit_fraction:
+            metrics.update(self.audit.audit(groups))  # provenance/* (summary `provenance`)
         # this process's CPU, every thread (publication's sends too): the thread balancer's
         return {**metrics, "trainer/cpu_seconds": time.process_time(),
                 "trainer/threads": float(torch.get_num_threads()),
@@ -182,8 +185,29 @@ class TrainerWorker:
         snap = self.sender.snapshot(which)
         return snap.fingerprints, snap.digest
 
-    def commit_publication(self) -> None:
+    def commit_publication(self, version: int | None = None) -> None:
+        """The staged snapshot becomes the published one (catch-ups send it); the audit
+        keeps a copy as `version`'s weights."""
+        self.sender.retain_published = bool(self.cfg.run.audit_fraction)
         self.sender.commit()
+        if self.cfg.run.audit_fraction and version is not None:
+            snap = self.sender.published
+            self.sender.recycle(self.audit.keep(version, snap.buckets, snap.metas))
+
+    @property
+    def audit(self):
+        """Rank 0's provenance audit (run.audit_fraction; rl_async/train/audit.py)."""
+        if self._audit is None:
+            from rl_async.train.audit import ProvenanceAudit, audit_tolerance
+
+            cfg = self.cfg
+            self._audit = ProvenanceAudit(
+                cfg.model.hf_config, cfg.model.dtype, cfg.run.audit_fraction,
+                audit_tolerance(cfg), self.plan.max_weight_staleness + 2,
+                cfg.rollout.temperature, cfg.run.seed,
+                None if cfg.cluster.inference_gpus else cfg.engine.torch_threads,
+                path=cfg.model.path, device="cuda" if cfg.cluster.trainer_gpus else "cpu")
+        return self._audit
 
     def snapshot_checksum(self, which: str = "published") -> str:
         """A snapshot's checksum (publication.verify_checksum): what the engines must hold,

@@ -134,6 +134,7 @@ def main() -> None:
         "run.name=bench-publication", "wandb.mode=disabled", "cluster.cpu_engines=2",
         "cluster.trainer_workers=1", "cluster.engine_cpus=1", "cluster.trainer_cpus=1",
         "engine.torch_threads=1", "model.dtype=float32",
+        "run.audit_fraction=0",  # the audit keeps snapshots: its own cost, not publication's
         f"model.hf_config.vocab_size={args.vocab}", f"model.hf_config.hidden_size={args.hidden}",
         f"model.hf_config.intermediate_size={2 * args.hidden}",
         f"model.hf_config.num_hidden_layers={args.layers}",

@@ -170,11 +170,23 @@ class EngineWeightsMixin:
                 replaced += self._linears.install(staged.packed)
             self._version = version
             self.committed_digest = staged.digest
-            self.prefix_cache.clear()
-            self._retract_running()
+            self._forget_old_kv()
             pause = time.perf_counter() - begun
         del replaced
         return {"pause_seconds": pause}
+
+    def _forget_old_kv(self) -> None:
+        """No KV computed under the old weights serves again: the prompt cache is emptied
+        and running requests retracted (rebuilt under the new weights). The fault
+        `keep_prompt_cache` keeps the prompt cache instead: the provenance audit's negative
+        control (tests only)."""
+        kept = self.prefix_cache if self.debug_faults.get("keep_prompt_cache") else None
+        if kept is not None:  # the clears below then empty a throwaway
+            self.prefix_cache = type(kept)(kept.max_tokens)
+        self.prefix_cache.clear()
+        self._retract_running()
+        if kept is not None:
+            self.prefix_cache = kept
 
     def _install(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
         """Parameter `name` becomes `tensor` (a view of the staged buffer: no copy); returns

@@ -26,6 +26,7 @@ from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
 from rl_async.loop.progress import Progress, orchestration_metrics
+from rl_async.observe.provenance import ProvenanceTotals
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
@@ -79,6 +80,7 @@ class Controller:
         self.progress = Progress(step=start_step, version=start_version)
         # What `rl-async simulate --calibrate` reads back from the summary.
         self.calibration = CalibrationStats()
+        self.provenance = ProvenanceTotals()  # run.audit_fraction's findings
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
         self._start = 0.0
@@ -133,6 +135,7 @@ class Controller:
         train_metrics = await self._bounded(self.fleet.train(groups, self.version),
                                             f"training the collection at version {self.version}")
         train_s = clock.now() - train_start
+        self.provenance.observe(train_metrics)
         skipped = int(train_metrics.get("train/nonfinite_updates", 0))
         p.nonfinite_updates += skipped
         trained_at = self.version
@@ -390,6 +393,7 @@ class Controller:
             "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
             "rollout": await self.fleet.rollout(),
             "publication": self.publisher.summary(),
+            "provenance": self.provenance.summary(),
             "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
             "staleness": {"max_delivered": p.max_staleness,
                           "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),

@@ -129,6 +129,12 @@ def placement_errors(cfg: RunConfig, plan: CapacityPlan) -> list[str]:
         errors.append("publication.verify_checksum = true needs engine.backend = 'embedded': "
                       "SGLang 0.5.23's HTTP API returns no checksum of the served weights; "
                       "set publication.verify_checksum = false")
+    if cfg.run.audit_fraction and (cfg.engine.backend == "synthetic"
+                                   or cfg.train.backend == "synthetic"):
+        errors.append(f"run.audit_fraction = {cfg.run.audit_fraction}: the provenance audit "
+                      f"recomputes log-probs with a real model, and engine.backend = "
+                      f"{cfg.engine.backend!r} / train.backend = {cfg.train.backend!r} has "
+                      f"none; set run.audit_fraction = 0")
     if cfg.judge.enabled and cfg.reward.placement == "producer":
         errors.append("reward.placement = 'producer' with judge.enabled: the reward actor calls "
                       "the judge deployment; set reward.placement = 'auto' or 'actor'")

@@ -52,6 +52,15 @@ class RunSection(Section):
     # <run dir>/rollouts/ so `rl-async replay RUN_DIR` can re-train it; about
     # (prompt + response) x 3 numbers per sample per step, gzipped.
     record_rollouts: bool = False
+    # The provenance audit (rl_async/train/audit.py): trainer rank 0 recomputes the
+    # behaviour log-probs of this fraction of trained samples under the weights of the
+    # version each token claims; 0 = off. It keeps that many recent published snapshots on
+    # the host (max_weight_staleness + 2) and one more model copy.
+    audit_fraction: float = Field(0.0, ge=0, le=1)
+    # A recomputed log-prob further than this from the recorded one is a mismatch. None: 0
+    # under run.deterministic on CPU engines (the replay is then bit-exact), else what
+    # batching and kernels change by rounding (1e-3 for float32, 5e-2 for bf16/fp16).
+    audit_tolerance: float | None = Field(None, ge=0)
 
 
 class ClusterSection(Section):

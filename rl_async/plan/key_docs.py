@@ -72,6 +72,14 @@ KEYS: dict[str, Doc] = {
                              "decoding, deterministic torch ops, fixed threads"),
     "run.record_rollouts": Doc("write every trained collection to `<run dir>/rollouts/` for "
                                "`rl-async replay`"),
+    "run.audit_fraction": Doc("share of trained samples whose behaviour log-probs trainer rank "
+                              "0 recomputes under the weights of the version each token "
+                              "claims (summary `provenance`); 0 = off", "fraction",
+                              "0 to 1; embedded engines"),
+    "run.audit_tolerance": Doc("largest difference between a recomputed and a recorded "
+                               "log-prob that is not a mismatch; unset: 0 with "
+                               "run.deterministic on CPU engines, else 1e-3 (float32) or "
+                               "5e-2 (bf16/fp16)", "nats", ">= 0"),
     # [cluster]
     "cluster.inference_gpus": Doc("GPUs for engines; 0 = engines on CPU", "GPUs",
                                   "engines = inference_gpus / gpus_per_engine; both sides on "

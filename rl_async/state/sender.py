@@ -113,6 +113,9 @@ class PublicationSender:
         self.staged: Snapshot | None = None
         self.published: Snapshot | None = None
         self._spare: list[torch.Tensor] = []  # buffers of a superseded snapshot, reused
+        # The provenance audit keeps published snapshots (rl_async/train/audit.py): their
+        # buffers are then never reused, and no copy is needed.
+        self.retain_published = False
         self._on_device = DeviceBuckets(self.device)
         self._lock = threading.Lock()  # the two dicts below change only under it
         self._pending: dict[str, tuple[dist.Store, float, ThreadPoolExecutor]] = {}  # opened
@@ -244,9 +247,14 @@ class PublicationSender:
         """The staged snapshot was sent: it is now the published one (catch-ups send it)."""
         if self.staged is None:
             raise RuntimeError("commit: nothing staged")
-        if self.published is not None:
+        if self.published is not None and not self.retain_published:
             self._spare.extend(self.published.buckets)
         self.published, self.staged = self.staged, None
+
+    def recycle(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers of a retained snapshot that is no longer kept: reused by the next stage()
+        (pinned host memory is slow to allocate)."""
+        self._spare.extend(buffers)
 
     def snapshot(self, which: str) -> Snapshot:
         snap = {"staged": self.staged, "published": self.published}[which]
