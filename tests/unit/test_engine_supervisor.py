@@ -96,3 +96,39 @@ def test_restarts_run_concurrently_and_probing_goes_on_meanwhile(monkeypatch):
         assert all("exited with code -9" in f["cause"] for f in fleet.fault_log)
 
     asyncio.run(main())
+
+
+def test_a_replacement_lost_inside_its_own_catch_up_is_replaced_again(monkeypatch):
+    """The replacement's catch-up runs inside its restart; losing it there used to ask for a
+    restart that was ignored (its restart was still running), leaving it down for good."""
+    cfg = load_config("cluster_configs/local.toml", ["engine.health_check_interval_s=60",
+                                                     "engine.max_restarts=5"])
+    monkeypatch.setattr(sup.ray, "kill", lambda actor, no_restart=True: None)
+
+    async def name_free(name):
+        return None
+
+    monkeypatch.setattr(sup.EngineSupervisor, "_name_free", staticmethod(name_free))
+
+    async def main():
+        fleet = FakeFleet(cfg)
+        fleet.release.set()
+        supervisor = sup.EngineSupervisor(fleet)
+
+        async def catch_up():  # the first replacement dies inside it, as fleet.lost does
+            fleet.caught_up += 1
+            if fleet.caught_up == 1:
+                fleet.down.add(0)
+                supervisor.spawn_restart(0, "receiving the weights failed: the actor died")
+                await asyncio.sleep(0.05)  # the catch-up goes on (other engines, commits)
+
+        fleet.catch_up = catch_up
+        supervisor.spawn_restart(0, "the actor died")
+        for _ in range(200):
+            if fleet.caught_up == 2 and not supervisor._tasks:
+                break
+            await asyncio.sleep(0.01)
+        assert supervisor.restarts.restarts == 2 and fleet.incarnations == {0: 2}
+        assert 0 not in fleet.down and fleet.caught_up == 2
+
+    asyncio.run(main())
