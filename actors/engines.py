@@ -139,13 +139,21 @@ class EngineActor:
         return self.engine.stages_weights
 
     async def stage_weights(self, buckets, group_name: str, version: int, fingerprints,
-                            digest: str) -> dict:
+                            digest: str, forward: str | None = None, chunk_bytes: int = 0,
+                            relayed: bool = False) -> dict:
         """A publication into the staging buffers while generating (prepare, transfer,
-        verify); commit_weights switches to it."""
+        verify), forwarded on relay link `forward`; commit_weights switches to it."""
         if self._die_in_transfer:
             os.kill(os.getpid(), signal.SIGKILL)
         return await self.engine.stage_weights(buckets, group_name, version, fingerprints,
-                                               digest)
+                                               digest, forward, chunk_bytes, relayed)
+
+    def open_relay(self, name: str, timeout_s: float) -> tuple[str, int]:
+        """Host relay link `name` to the next engine; (address, port) it joins at."""
+        return ray.util.get_node_ip_address(), self.engine.open_relay(name, timeout_s)
+
+    async def join_relay(self, name: str) -> None:
+        await self.engine.join_relay(name)
 
     async def commit_weights(self, version: int) -> dict:
         if self._die_before_commit:  # chaos tests: verified, not yet switched

@@ -109,6 +109,7 @@ class RayFleet(FleetPublication):
         self._metas: list[tuple] = []            # the staged snapshot's buckets
         self._published_metas: list[tuple] = []  # the last published one's (catch_up)
         self._init_staging()
+        self._init_relay()
         self.incarnations: dict[int, int] = {}  # engine index -> replacements so far
         self.supervisor: EngineSupervisor | None = None
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60

@@ -39,6 +39,7 @@ import asyncio
 
 from ray.exceptions import RayActorError
 
+from actors.fleet_relay import FleetRelay
 from actors.fleet_staging import FleetStaging, _cause
 from rl_async.loop.publish import BucketProgress
 from rl_async.plan.publication_budget import engine_receive_budget_s
@@ -48,7 +49,7 @@ from rl_async.plan.publication_budget import engine_receive_budget_s
 ENGINE_ERROR_GRACE_S = 2.0
 
 
-class FleetPublication(FleetStaging):
+class FleetPublication(FleetStaging, FleetRelay):
     def _channel_name(self, i: int) -> str:
         self._channel_generation += 1
         return (f"{self.prefix}/pub/engine-{i}/n{self.incarnations.get(i, 0)}"
@@ -250,23 +251,26 @@ class FleetPublication(FleetStaging):
                     flush if last else False), timeout_s)
         return load
 
-    async def _transfer(self, live: list[int], metas: list[tuple], receive, which: str
+    async def _transfer(self, live: list[int], metas: list[tuple], receive, which: str,
+                        direct: list[int] | None = None, chunk_bytes: int = 0
                         ) -> tuple[int, dict[int, str], dict[int, object]]:
-        """Trainer rank 0 sends the `which` snapshot on every live engine's channel while
-        `receive(i, channel)` runs engine i's side. Returns (bytes per engine, {engine:
-        cause} for those that did not get the whole snapshot, {engine: what its receive
-        returned} for the others)."""
+        """Trainer rank 0 sends the `which` snapshot on the channels of the `direct`
+        engines (default: every live one; a relay's heads otherwise, in pieces of
+        `chunk_bytes`) while `receive(i, channel)` runs each live engine's side. Returns
+        (bytes per engine, {engine: cause} for those that did not get the whole snapshot,
+        {engine: what its receive returned} for the others)."""
         if not live:
             return 0, {}, {}
         timeout_s = self.cfg.publication.channel_timeout_s
         total_s = engine_receive_budget_s(self.cfg.publication, len(metas))
-        names = {i: self.channels[i][0] for i in live}
+        channels = {i: self.channels[i][0] for i in live}
+        names = {i: channels[i] for i in (live if direct is None else direct)}
 
         async def bounded(i: int):
             # The whole receive has the budget the trainer's side has, and a moment more:
             # the trainer's verdict on a slow channel comes first.
             try:
-                return await asyncio.wait_for(receive(i, names[i]),
+                return await asyncio.wait_for(receive(i, channels[i]),
                                               total_s + ENGINE_ERROR_GRACE_S)
             except asyncio.TimeoutError:
                 raise TimeoutError(f"its whole receive ({len(metas)} buckets) did not finish "
@@ -275,7 +279,8 @@ class FleetPublication(FleetStaging):
         receivers = {i: asyncio.ensure_future(bounded(i)) for i in live}
         try:
             sent, trainer_failed = await self.trainers[0].send_publication.remote(
-                list(names.values()), which, timeout_s, total_s)
+                list(names.values()), which, timeout_s, total_s,
+                **({"chunk_bytes": chunk_bytes} if chunk_bytes else {}))
         except BaseException:
             for task in receivers.values():
                 task.cancel()

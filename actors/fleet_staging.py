@@ -47,11 +47,15 @@ class FleetStaging:
         fingerprints, digest = checks
         live = await self._with_channels()
 
-        async def stage(i: int, channel: str) -> dict:
+        async def stage(i: int, source: str, forward: str | None = None, chunk: int = 0,
+                        relayed: bool = False) -> dict:
             return await self.engines[i].stage_weights.remote(
-                metas, channel, version, fingerprints, digest)
+                metas, source, version, fingerprints, digest, forward, chunk, relayed)
 
-        sent, failed, results = await self._transfer(live, metas, stage, which)
+        if self.relays() and len(live) > 1:
+            sent, failed, results = await self._relay_transfer(live, metas, stage, which)
+        else:
+            sent, failed, results = await self._transfer(live, metas, stage, which)
         for i, cause in failed.items():
             await self.lost(i, cause)
         self._verified = {i: self.incarnations.get(i, 0) for i, r in results.items()

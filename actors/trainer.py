@@ -174,16 +174,22 @@ class TrainerWorker:
                                  flat, checksum=self.cfg.publication.verify_checksum)
 
     def send_publication(self, names: list[str], which: str, timeout_s: float,
-                         total_s: float | None = None) -> tuple[int, dict[str, str]]:
-        """The staged (or published) snapshot to each named channel, each at its own pace;
-        failed channels are reported by name and destroyed (a trainer-side failure raises)."""
-        return self.sender.send(names, which, timeout_s, total_s)
+                         total_s: float | None = None, chunk_bytes: int = 0
+                         ) -> tuple[int, dict[str, str]]:
+        """The staged (or published) snapshot to each named channel, each at its own pace
+        (in pieces of `chunk_bytes` to the head of a relay); failed channels are reported
+        by name and destroyed (a trainer-side failure raises)."""
+        return self.sender.send(names, which, timeout_s, total_s, chunk_bytes)
 
     def snapshot_fingerprints(self, which: str = "staged") -> tuple[list[str], str]:
         """A snapshot's bucket fingerprints and model digest: what a staging engine checks
         before it may commit (rl_async/engine/embedded_weights.py)."""
         snap = self.sender.snapshot(which)
         return snap.fingerprints, snap.digest
+
+    def publication_bytes_sent(self) -> int:
+        """Bytes rank 0 has sent on publication channels so far (every engine counted)."""
+        return self.sender.bytes_sent
 
     def commit_publication(self, version: int | None = None) -> None:
         """The staged snapshot becomes the published one (catch-ups send it); the audit

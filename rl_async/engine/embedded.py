@@ -103,6 +103,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self.committed_digest: str | None = None  # model digest of the committed version
         self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_*)
         self._joined: set[str] = set()  # publication channels joined, not destroyed
+        self._relay_stores: dict = {}  # relay links opened (hosted), not yet joined
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0,
                       "prefix_hits": 0,  # prompts copied from the prompt cache

@@ -36,6 +36,7 @@ import torch
 
 from rl_async.state import collective
 from rl_async.engine.base import EngineError
+from rl_async.engine.relay import Forwarder, pieces
 from rl_async.state.weights import (bucket_fingerprint, bucket_nbytes, model_digest,
                                     unflatten_bucket)
 
@@ -51,7 +52,7 @@ class _Staged:
 
 class EngineWeightsMixin:
     """Needs from the engine: `device`, `_params`, `_version`, `_slots`, `_live`, `_staged`,
-    `_joined` (a set), `_linears`, `_guard()`, `_weights_changed()`, `_retract_running()`,
+    `_joined` (a set), `_relay_stores` (a dict), `_linears`, `_guard()`, `_weights_changed()`, `_retract_running()`,
     `prefix_cache`, `debug_faults` (a dict; fault-injection tests only)."""
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
@@ -89,34 +90,55 @@ class EngineWeightsMixin:
 
     # ---- the staged transaction ----------------------------------------------------------
     async def stage_weights(self, buckets: list[tuple], group_name: str, version: int,
-                            fingerprints: list[str], digest: str) -> dict:
+                            fingerprints: list[str], digest: str, forward: str | None = None,
+                            chunk_bytes: int = 0, relayed: bool = False) -> dict:
         """Prepare, transfer and verify a publication of `version` (module docstring);
         generation goes on meanwhile. Every bucket is received even after one failed its
         check, so the sender is never left waiting. Returns {"verified", "error", "digest",
-        "receive_seconds", "load_seconds"}; commit_weights installs a verified one."""
-        group = self._group(group_name, "stage_weights")
+        "receive_seconds", "load_seconds", "upstream_failed", "forward_error"};
+        commit_weights installs a verified one.
+
+        Relay (rl_async/engine/relay.py): buckets arrive in pieces of `chunk_bytes` over
+        `group_name`, from trainer rank 0 or (`relayed`) from the engine before this one,
+        and each piece is forwarded on link `forward`. A failed receive from an engine is
+        reported (`upstream_failed`), not raised: this engine is fine, its upstream is not."""
+        source = self._group(group_name, "stage_weights")
         self._check_version(version)
         self._staged = None  # an older staging that was never committed is dropped
+        if forward is not None:
+            self._group(forward, "stage_weights (relay link)")  # joined, or a clear error
+        forwarder = Forwarder(forward)
         count, start = len(buckets), time.perf_counter()
         staged = _Staged(version, digest)
         checks: list[asyncio.Future] = []
-        for i, (names, dtypes, shapes, *_rest) in enumerate(buckets):
-            key = tuple(names)
-            slot, flat = self._staging_buffer(key, bucket_nbytes(dtypes, shapes))
-            if "before_bucket" in self.debug_faults:
-                self.debug_faults["before_bucket"](i)
-            await asyncio.to_thread(torch.distributed.broadcast, flat, group=group,
-                                    group_src=0)
-            if self.debug_faults.get("corrupt_bucket") == i:
-                del self.debug_faults["corrupt_bucket"]
-                flat[0] ^= 0xFF  # as a bit flip in transit would
-            staged.buckets.append((key, slot, []))
-            # checked and packed beside the next bucket's receive
-            checks.append(asyncio.ensure_future(asyncio.to_thread(
-                self._check_bucket, staged, i, count, flat, (names, dtypes, shapes),
-                fingerprints[i])))
+        try:
+            for i, (names, dtypes, shapes, *_rest) in enumerate(buckets):
+                slot, flat = self._staging_buffer(tuple(names), bucket_nbytes(dtypes, shapes))
+                if "before_bucket" in self.debug_faults:
+                    self.debug_faults["before_bucket"](i)
+                for piece in pieces(flat, chunk_bytes):
+                    await asyncio.to_thread(torch.distributed.broadcast, piece, group=source,
+                                            group_src=0)
+                    forwarder.send(piece)
+                if self.debug_faults.get("corrupt_bucket") == i:
+                    del self.debug_faults["corrupt_bucket"]
+                    flat[0] ^= 0xFF  # as a bit flip in transit would
+                staged.buckets.append((tuple(names), slot, []))
+                # checked and packed beside the next bucket's receive
+                checks.append(asyncio.ensure_future(asyncio.to_thread(
+                    self._check_bucket, staged, i, count, flat, (names, dtypes, shapes),
+                    fingerprints[i])))
+        except Exception as exc:
+            if not relayed:
+                raise  # the trainer's channel: the fleet hears of it from both ends
+            await asyncio.gather(*checks, return_exceptions=True)
+            return {"verified": False, "upstream_failed": True, "digest": None,
+                    "error": f"receiving from the engine before it in the relay: "
+                             f"{type(exc).__name__}: {exc}", "forward_error": None,
+                    "receive_seconds": time.perf_counter() - start, "load_seconds": 0.0}
         received = time.perf_counter()
         results = await asyncio.gather(*checks)
+        forward_error = await forwarder.finish()
         errors = [e for e, _ in results if e]
         got = model_digest(buckets, [fp for _, fp in results])
         if not errors and got != digest:
@@ -124,8 +146,26 @@ class EngineWeightsMixin:
         if not errors:
             self._staged = staged
         return {"verified": not errors, "error": "; ".join(errors) or None, "digest": got,
+                "upstream_failed": False, "forward_error": forward_error,
                 "receive_seconds": received - start,
                 "load_seconds": time.perf_counter() - received}
+
+    # ---- relay links (rank 0 of a link is the forwarding engine) ---------------------------
+    def open_relay(self, name: str, timeout_s: float) -> int:
+        """Host the rendezvous of relay link `name`, to the next engine; returns the port."""
+        if name in self._joined or name in self._relay_stores:
+            raise EngineError(f"relay link {name!r} is already open on this engine")
+        store = collective.create_store(timeout_s)
+        self._relay_stores[name] = (store, timeout_s)
+        return store.port
+
+    async def join_relay(self, name: str) -> None:
+        """Join relay link `name` as its rank 0, once the next engine joins as rank 1."""
+        store, timeout_s = self._relay_stores.pop(name)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        await asyncio.to_thread(collective.init_custom_process_group, backend, None, 2, 0,
+                                name, timeout_s, store=store)
+        self._joined.add(name)
 
     def _check_bucket(self, staged: _Staged, i: int, count: int, flat: torch.Tensor,
                       meta: tuple, want: str) -> tuple[str | None, str]:

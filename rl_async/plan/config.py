@@ -269,6 +269,11 @@ class PublicationSection(Section):
     # Bigger buckets mean fewer round trips; the snapshot is the whole model either way.
     bucket_bytes: PositiveInt = 256 * 1024 * 1024
     # Compare engine weight checksums to the trainer's after each publication (slow).
+    # How a publication reaches several staging (embedded) engines: "chain" (trainer rank 0
+    # sends once, each engine forwards to the next while receiving: rl_async/engine/relay.py)
+    # or "off" (rank 0 sends to every engine itself). SGLang engines are always sent to
+    # directly.
+    relay: Literal["chain", "off"] = "chain"
     verify_checksum: bool = False
     # Deadline for one whole publication (snapshot to resume): a hung publication fails the
     # run with the stage and bucket named.

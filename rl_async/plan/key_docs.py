@@ -289,6 +289,10 @@ KEYS: dict[str, Doc] = {
                                        "timeout_s > 2 x drain + 2 x channel"),
     "publication.bucket_bytes": Doc("bytes per transfer bucket", "bytes",
                                     "memory plan: two buckets on trainer rank 0"),
+    "publication.relay": Doc("`chain`: trainer rank 0 sends each publication once and every "
+                             "embedded engine forwards it to the next while receiving (a "
+                             "failed engine's followers get a direct send); `off`: rank 0 "
+                             "sends to every engine", rule="SGLang engines: always direct"),
     "publication.verify_checksum": Doc("check every engine holds exactly the sent weights "
                                        "(slow)", rule="embedded engines only"),
     "publication.timeout_s": Doc("deadline of one whole publication (snapshot to resume)",

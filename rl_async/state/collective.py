@@ -93,6 +93,13 @@ def get_group(group_name: str) -> dist.ProcessGroup:
     return _GROUPS[group_name][0]
 
 
+def group_backend(group_name: str) -> tuple[str, float]:
+    """(backend, timeout in seconds) of a joined group."""
+    get_group(group_name)
+    _, backend, timeout = _GROUPS[group_name]
+    return backend, timeout.total_seconds()
+
+
 def joined_groups() -> list[str]:
     """The publication groups this process is a member of (tests check none leak)."""
     return sorted(_GROUPS)

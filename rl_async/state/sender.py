@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from rl_async.state import collective
 from rl_async.state.device_buckets import DeviceBuckets
-from rl_async.state.weights import (bucket_fingerprint, flatten_bucket, model_digest,
+from rl_async.state.weights import (bucket_fingerprint, flatten_bucket, model_digest, pieces,
                                     require_finite, unflatten_bucket, weights_checksum)
 
 Meta = tuple[list[str], list[str], list[list[int]], int]  # names, dtypes, shapes, bytes
@@ -116,6 +116,7 @@ class PublicationSender:
         # The provenance audit keeps published snapshots (rl_async/train/audit.py): their
         # buffers are then never reused, and no copy is needed.
         self.retain_published = False
+        self.bytes_sent = 0  # over every channel, since the start
         self._on_device = DeviceBuckets(self.device)
         self._lock = threading.Lock()  # the two dicts below change only under it
         self._pending: dict[str, tuple[dist.Store, float, ThreadPoolExecutor]] = {}  # opened
@@ -265,7 +266,7 @@ class PublicationSender:
 
     # ---- sending ---------------------------------------------------------------------------
     def send(self, names: list[str], which: str, timeout_s: float,
-             total_s: float | None = None) -> tuple[int, dict[str, str]]:
+             total_s: float | None = None, chunk_bytes: int = 0) -> tuple[int, dict[str, str]]:
         """Every bucket of the `which` snapshot to each channel in `names`, each channel at
         its own pace: each bucket within `timeout_s`, the whole snapshot within `total_s`
         (default: `timeout_s` per bucket). Returns (bytes per engine, {channel: error}) for
@@ -282,7 +283,7 @@ class PublicationSender:
                                f"{sorted(self._channels)}); the fleet must name a channel it "
                                f"formed")
             jobs = {n: self._channels[n].submit(self._send_channel, n, snap, token, timeout_s,
-                                                deadline) for n in names}
+                                                deadline, chunk_bytes) for n in names}
         failures: dict[str, ChannelFailure] = {}
         for name, job in jobs.items():
             try:
@@ -299,8 +300,9 @@ class PublicationSender:
         return snap.nbytes, {n: str(f) for n, f in failures.items()}
 
     def _send_channel(self, name: str, snap: Snapshot, token: int, timeout_s: float,
-                      total_deadline: float) -> None:
-        """One channel's whole transfer, on its own thread."""
+                      total_deadline: float, chunk_bytes: int = 0) -> None:
+        """One channel's whole transfer, on its own thread; flat buckets in pieces of
+        `chunk_bytes` when it heads a relay (rl_async/engine/relay.py)."""
         count = len(snap.buckets)
         for i, (flat_host, meta) in enumerate(zip(snap.buckets, snap.metas)):
             where = f"bucket {i + 1}/{count}"
@@ -308,7 +310,7 @@ class PublicationSender:
             try:
                 self._require_open(name)
                 with self._on_device.hold(name, (token, i), flat_host, deadline) as flat_t:
-                    tensors = ([flat_t] if snap.flat
+                    tensors = (pieces(flat_t, chunk_bytes) if snap.flat
                                else [t for _, t in unflatten_bucket(flat_t, *meta[:3])])
                     self._broadcast(name, tensors, deadline, where)
             except Exception as exc:  # noqa: BLE001 -- classified by send()
@@ -333,6 +335,8 @@ class PublicationSender:
         works = [dist.broadcast(t, group=group, group_src=0, async_op=True) for t in tensors]
         for work in works:
             collective.wait(work, deadline, f"channel {name} {where}", self.backend)
+        with self._lock:  # what rank 0 sent (the relay's point: once per publication)
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _raise_if_trainer_side(failures: dict[str, ChannelFailure], channels: int) -> None:

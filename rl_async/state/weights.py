@@ -79,6 +79,14 @@ def flatten_bucket(bucket: NamedTensors, out: torch.Tensor | None = None
     return out, names, dtypes, shapes
 
 
+def pieces(flat: torch.Tensor, chunk_bytes: int) -> list[torch.Tensor]:
+    """The views of a flat bucket that one relay step moves (rl_async/engine/relay.py); the
+    whole bucket when chunk_bytes is 0. Sender, forwarders and receivers cut it alike."""
+    if chunk_bytes <= 0 or flat.numel() <= chunk_bytes:
+        return [flat]
+    return [flat[i:i + chunk_bytes] for i in range(0, flat.numel(), chunk_bytes)]
+
+
 def bucket_nbytes(dtypes: list[str], shapes: list[list[int]]) -> int:
     """Byte size of the flat buffer described by the metadata (what a receiver allocates)."""
     total = 0

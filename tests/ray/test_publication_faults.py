@@ -147,3 +147,41 @@ def test_the_audit_catches_a_prompt_cache_kept_across_weight_loads(ray_cluster, 
         assert audit["mismatches"] > 0 and audit["max_abs_diff"] > 0, audit
     else:
         assert audit["mismatches"] == 0 and audit["max_abs_diff"] == 0.0, audit
+
+
+@pytest.mark.parametrize("relay", ["chain", "off"])
+def test_the_relay_sends_once_and_a_dead_forwarders_followers_get_a_direct_send(
+        ray_cluster, relay):
+    """Three engines in a chain: rank 0 sends each publication once (off: three times) and
+    every engine holds exactly the snapshot. Engine 1, the middle of the chain, dies as it
+    receives bucket 2: it is lost and restarted, engine 2 falls back to a direct send and
+    still commits that version."""
+    from actors.fleet import RayFleet
+    from rl_async.loop.publish import Publisher
+
+    cfg, report = small("cluster_configs/local.toml", "cluster.cpu_engines=3",
+                        "cluster.engine_cpus=0.5", "publication.verify_checksum=true",
+                        "publication.drain_timeout_s=5", "publication.channel_timeout_s=5",
+                        "publication.timeout_s=60", "publication.bucket_bytes=120000",
+                        f"publication.relay={relay}", name=f"t-relay-{relay}")
+    publisher = Publisher("off", cfg.publication.drain_timeout_s, cfg.publication.timeout_s)
+
+    async def main():
+        fleet = RayFleet(cfg, report.plan)
+        try:
+            await fleet.start()
+            nbytes = sum(m[3] for m in fleet._metas)
+            before = await fleet.trainers[0].publication_bytes_sent.remote()
+            await publisher.transfer(1, fleet)  # verify_checksum: each holds the snapshot
+            sent = await fleet.trainers[0].publication_bytes_sent.remote() - before
+            assert sent == nbytes * (1 if relay == "chain" else 3)
+            await fleet.engines[1].debug_fault.remote("die_at_bucket", 1)
+            await publisher.transfer(2, fleet)
+            assert [fleet.committed.get(i) for i in range(3)] == [2, 1, 2] or 1 in fleet.down
+            versions = [await fleet.engines[i].get_weight_version.remote() for i in (0, 2)]
+            assert versions == [2, 2]
+            assert "engine" in fleet.fault_log[0] and fleet.fault_log[0]["engine"] == 1
+        finally:
+            await fleet.shutdown()
+
+    asyncio.run(main())
