@@ -56,6 +56,7 @@ class ControllerActor:
             summary["failures"] = await self.fleet.bounded(self.fleet.source.failures.remote(),
                                                            "prompt-source.failures")
             summary["run_dir"] = str(self.fleet.run_dir)
+            summary["fleet"] = self.fleet.fleet_summary()
             if r is not None:
                 summary["resumed_from"] = {"step": r.step, "path": r.path}
             return summary
@@ -101,6 +102,16 @@ class ControllerActor:
         self._stop_requested = True
         if self.controller is not None:
             self.controller.stop_requested = True
+
+    async def scale(self, engines: int, placement_timeout_s: float | None = None) -> dict:
+        """`rl-async scale`: grow or shrink the running fleet to `engines` engines
+        (actors/fleet_scale.py); joins finish in the background."""
+        if self.fleet is None or self.controller is None:
+            raise RuntimeError(f"run {self.cfg.run.name!r} is still starting; scale it once "
+                               f"it trains (`rl-async scale` again in a moment)")
+        kwargs = {} if placement_timeout_s is None else {"placement_timeout_s":
+                                                          placement_timeout_s}
+        return await self.fleet.scale(engines, **kwargs)
 
     def history(self) -> list:
         return list(self.memory.rows)

@@ -76,7 +76,8 @@ class EngineSupervisor:
         while self.fatal is None:
             await asyncio.sleep(self.interval_s)
             fleet = self.fleet
-            watched = [i for i in range(len(fleet.engines)) if i not in fleet.down]
+            watched = [i for i in range(len(fleet.engines))
+                       if i not in fleet.down and i not in fleet.removed]
             causes = await asyncio.gather(*(self._probe(i) for i in watched))
             for i, cause in zip(watched, causes):
                 if cause is not None and self.fatal is None:
@@ -99,8 +100,10 @@ class EngineSupervisor:
         return None
 
     async def restart(self, i: int, cause: str) -> None:
-        """Replace engine i (put into the fleet's `down` set, if it is not there yet)."""
-        if i in self._restarting or self.fatal is not None:
+        """Replace engine i (put into the fleet's `down` set, if it is not there yet). An
+        engine that left the fleet (`rl-async scale`) is not replaced: a probe may have
+        caught it between its removal and its end."""
+        if i in self._restarting or self.fatal is not None or i in self.fleet.removed:
             return
         self._restarting.add(i)
         try:

@@ -110,6 +110,7 @@ class RayFleet(FleetPublication):
         self._published_metas: list[tuple] = []  # the last published one's (catch_up)
         self._init_staging()
         self._init_relay()
+        self._init_scale(plan.engines)
         self.incarnations: dict[int, int] = {}  # engine index -> replacements so far
         self.supervisor: EngineSupervisor | None = None
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60
@@ -132,8 +133,9 @@ class RayFleet(FleetPublication):
         if self.engine_threads != cfg.engine.torch_threads:  # a replacement keeps the split
             cfg = cfg.model_copy(deep=True)
             cfg.engine.torch_threads = self.engine_threads
+        pg, bundle = self._bundle_of(i)
         return self._named(EngineActor, f"engine-{i}", cfg, i, self.version_hint,
-                           pg=self.engine_pg, bundle=i, num_cpus=c.engine_cpus,
+                           pg=pg, bundle=bundle, num_cpus=c.engine_cpus,
                            num_gpus=c.gpus_per_engine if gpu else 0, **nccl_env(gpu))
 
     def _named(self, cls, name: str, *args, pg=None, bundle=0, **options):

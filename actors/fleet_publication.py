@@ -40,6 +40,7 @@ import asyncio
 from ray.exceptions import RayActorError
 
 from actors.fleet_relay import FleetRelay
+from actors.fleet_scale import FleetScale
 from actors.fleet_staging import FleetStaging, _cause
 from rl_async.loop.publish import BucketProgress
 from rl_async.plan.publication_budget import engine_receive_budget_s
@@ -49,7 +50,7 @@ from rl_async.plan.publication_budget import engine_receive_budget_s
 ENGINE_ERROR_GRACE_S = 2.0
 
 
-class FleetPublication(FleetStaging, FleetRelay):
+class FleetPublication(FleetStaging, FleetRelay, FleetScale):
     def _channel_name(self, i: int) -> str:
         self._channel_generation += 1
         return (f"{self.prefix}/pub/engine-{i}/n{self.incarnations.get(i, 0)}"
@@ -111,13 +112,17 @@ class FleetPublication(FleetStaging, FleetRelay):
         return await self.producer.drain_generation.remote(timeout_s)
 
     def live_engines(self) -> list[int]:
-        """Engines not known to be down (replacements waiting for weights included)."""
-        return [i for i in range(len(self.engines)) if i not in self.down]
+        """Engines not known to be down (replacements waiting for weights included), not
+        those that left the fleet (actors/fleet_scale.py)."""
+        return [i for i in range(len(self.engines))
+                if i not in self.down and i not in self.removed]
 
     async def lost(self, i: int, cause: str) -> None:
         """Engine i failed a fleet call: without fault tolerance the run stops; with it,
         the engine leaves routing and the supervisor replaces it (in its own task: the
         caller may hold members_lock). Its channel is destroyed on the trainer."""
+        if i in self.removed:  # it left the fleet: nothing to restart
+            return
         if self.supervisor is None:
             raise RuntimeError(f"engine {self.prefix}/engine-{i} failed: {cause} "
                                f"(engine.fault_tolerance is off)")
@@ -170,7 +175,8 @@ class FleetPublication(FleetStaging, FleetRelay):
         routing once they hold it."""
         async with self.members_lock:
             if self.stages_weights:
-                return await self._stage_locked(version, "staged")
+                self._pending = await self._stage_locked(version, "staged")
+                return self._pending.sent
             sent = await self._send_locked(version, progress, "staged")
             await self._published(version)
         return sent
@@ -181,44 +187,51 @@ class FleetPublication(FleetStaging, FleetRelay):
         self._published_metas, self._published_checks = self._metas, self._checks
         self.version_hint = version
 
-    async def catch_up(self) -> None:
+    async def catch_up(self, joining: list[int] | None = None) -> None:
         """Bring replacements in now when no engine can generate (every live engine is a
         replacement waiting for weights): the next publication needs a collection, the
-        collection needs an engine. They get the last PUBLISHED snapshot at its version,
-        which the next stage() cannot overwrite (rl_async/state/sender.py). Bounded by
-        publication.timeout_s like a publication: it holds members_lock."""
+        collection needs an engine. `joining`: engines that join a running fleet
+        (actors/fleet_scale.py), brought in at once whatever the others do. They get the
+        last PUBLISHED snapshot at its version, which the next stage() cannot overwrite
+        (rl_async/state/sender.py). Bounded by publication.timeout_s like a publication:
+        it holds members_lock."""
         p = self.cfg.publication
         try:
-            await asyncio.wait_for(self._catch_up(), p.timeout_s)
+            await asyncio.wait_for(self._catch_up(joining), p.timeout_s)
         except asyncio.TimeoutError:
             raise TimeoutError(f"catching up replacement engines {sorted(self.pending_up)} "
                                f"with the published weights did not finish within "
                                f"publication.timeout_s = {p.timeout_s:g} s") from None
 
-    async def _catch_up(self) -> None:
+    async def _catch_up(self, joining: list[int] | None) -> None:
         async with self.members_lock:
             serving = [i for i in self.live_engines() if i not in self.pending_up]
-            if self.pending_up and not serving and self._published_metas:
-                if self.stages_weights:
-                    await self._stage_locked(self.version_hint, "published")
-                    await self._commit_locked(self.version_hint, "published")
-                else:
-                    await self._send_locked(self.version_hint, None, "published")
+            only = None if joining is None else [i for i in joining if i in self.pending_up]
+            if joining is None and serving or not self.pending_up or only == []:
+                return
+            if not self._published_metas:
+                return
+            if self.stages_weights:
+                staged = await self._stage_locked(self.version_hint, "published", only)
+                await self._commit_locked(self.version_hint, "published", staged)
+            else:
+                await self._send_locked(self.version_hint, None, "published", only)
 
-    async def _with_channels(self) -> list[int]:
-        """The live engines, each with a channel of its incarnation (an engine that fails
-        to form one is lost)."""
-        live = self.live_engines()
+    async def _with_channels(self, only: list[int] | None = None) -> list[int]:
+        """The live engines (of `only`, if given), each with a channel of its incarnation
+        (an engine that fails to form one is lost)."""
+        live = [i for i in self.live_engines() if only is None or i in only]
         for i, cause in (await self._form_channels(live)).items():
             await self.lost(i, cause)
         return [i for i in live if i in self.channels]
 
     async def _send_locked(self, version: int, progress: BucketProgress | None,
-                           which: str) -> int:
-        """In place (engines that cannot stage): every bucket to every live engine."""
+                           which: str, only: list[int] | None = None) -> int:
+        """In place (engines that cannot stage): every bucket to every live engine (of
+        `only`)."""
         metas = self._metas if which == "staged" else self._published_metas
         self.version_hint = version
-        live = await self._with_channels()
+        live = await self._with_channels(only)
         sent, failed, _ = await self._transfer(live, metas, self._bucket_loads(
             version, metas, progress), which)
         for i, cause in failed.items():

@@ -21,31 +21,42 @@ minimum and maximum.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
 
 from rl_async.loop.faults import quote
 
 
+@dataclass
+class Staged:
+    """One staging pass: the engines that verified (engine -> incarnation), the engines
+    that received and will not commit, and the engines' figures."""
+    sent: int
+    verified: dict[int, int] = field(default_factory=dict)
+    aborted: int = 0
+    figures: dict[str, float] = field(default_factory=dict)
+
+
 class FleetStaging:
     def _init_staging(self) -> None:
         self.committed: dict[int, int] = {}  # engine -> the version it committed last
         self._checks = self._published_checks = ([], "")  # (fingerprints, digest)
-        self._verified: dict[int, int] = {}  # engine -> incarnation that verified
-        self._aborted = 0
-        self._stage_figures: dict[str, float] = {}
+        # The publication's staging, awaiting its commit (a catch-up in between has its own).
+        self._pending = Staged(0)
 
     @property
     def stages_weights(self) -> bool:
         return self.cfg.engine.backend == "embedded"
 
-    async def _stage_locked(self, version: int, which: str) -> int:
-        """Stage `which` snapshot at `version` on every live engine (module docstring);
-        remembers the engines that verified it for commit()."""
+    async def _stage_locked(self, version: int, which: str, only: list[int] | None = None
+                            ) -> Staged:
+        """Stage `which` snapshot at `version` on every live engine (of `only`: joining
+        engines) (module docstring)."""
         metas, checks = ((self._metas, self._checks) if which == "staged"
                          else (self._published_metas, self._published_checks))
         fingerprints, digest = checks
-        live = await self._with_channels()
+        live = await self._with_channels(only)
 
         async def stage(i: int, source: str, forward: str | None = None, chunk: int = 0,
                         relayed: bool = False) -> dict:
@@ -58,33 +69,34 @@ class FleetStaging:
             sent, failed, results = await self._transfer(live, metas, stage, which)
         for i, cause in failed.items():
             await self.lost(i, cause)
-        self._verified = {i: self.incarnations.get(i, 0) for i, r in results.items()
-                          if r["verified"]}
+        verified = {i: self.incarnations.get(i, 0) for i, r in results.items()
+                    if r["verified"]}
         for i, r in results.items():
             if not r["verified"]:
                 self.fault_log.append({"engine": i, "version": version,
                                        "cause": f"weights not verified, not committed: "
                                                 f"{r['error']}", "restarted": False})
-        self._aborted = len(failed) + len(results) - len(self._verified)
-        self._stage_figures = {
+        return Staged(sent, verified, len(failed) + len(results) - len(verified), {
             key: max((r[key] for r in results.values()), default=0.0)
-            for key in ("receive_seconds", "load_seconds")}
-        return sent
+            for key in ("receive_seconds", "load_seconds")})
 
     async def commit(self, version: int) -> dict[str, float]:
         """Switch the engines that verified `version` to it (PublicationOps.commit); the
         longest engine's pause, the aborted transfers and the engines' stage figures."""
         async with self.members_lock:
-            pause = await self._commit_locked(version, "staged")
+            staged, self._pending = self._pending, Staged(0)
+            pause = await self._commit_locked(version, "staged", staged)
             await self._published(version)
-        return {"pause_seconds": pause, "aborted_transfers": self._aborted,
-                **self._stage_figures}
+        return {"pause_seconds": pause, "aborted_transfers": staged.aborted,
+                **staged.figures}
 
-    async def _commit_locked(self, version: int, which: str) -> float:
-        verified, self._verified = self._verified, {}
-        targets = [i for i, incarnation in verified.items()
-                   if i not in self.down and self.incarnations.get(i, 0) == incarnation]
-        self._aborted += len(verified) - len(targets)  # replaced since they verified
+    async def _commit_locked(self, version: int, which: str, staged: Staged) -> float:
+        """Commit the engines of `staged` still of the incarnation that verified; counts
+        those that do not commit in `staged.aborted`. Returns the longest pause."""
+        targets = [i for i, incarnation in staged.verified.items()
+                   if i not in self.down and i not in self.removed
+                   and self.incarnations.get(i, 0) == incarnation]
+        staged.aborted += len(staged.verified) - len(targets)  # replaced, left since
         timeout_s = self.cfg.publication.channel_timeout_s
         results = await asyncio.gather(*(asyncio.wait_for(
             self.engines[i].commit_weights.remote(version), timeout_s) for i in targets),
@@ -92,7 +104,7 @@ class FleetStaging:
         pauses, committed = [], []
         for i, r in zip(targets, results):
             if isinstance(r, BaseException):
-                self._aborted += 1
+                staged.aborted += 1
                 await self.lost(i, f"committing version {version} failed: {_cause(r)}")
             else:
                 pauses.append(r["pause_seconds"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 
 import ray
@@ -232,6 +233,34 @@ class ProducerActor:
         self.router.engines[index] = handle
         self.router.set_healthy(index, True)
         self._routable.set()
+
+    # ---- fleet membership (`rl-async scale`: actors/fleet_scale.py) -----------------------
+    def engine_add(self, index: int, handle) -> None:
+        """A new engine, out of routing until it holds the current weights (engine_up)."""
+        if index != len(self.engines):
+            raise ValueError(f"engine_add({index}): the next engine index is "
+                             f"{len(self.engines)}")
+        self.engines.append(handle)
+        self.router.add(handle)
+        self.gen_batchers.append(MicroBatcher(self._engine_stream(index)))
+        self._failing.append(0)
+
+    async def engine_leave(self, index: int, timeout_s: float) -> bool:
+        """Engine `index` leaves: no new request goes to it, those it has finish for up to
+        `timeout_s`, then the rest are aborted (their groups go back to the ledger and are
+        regenerated). Returns whether it drained in time."""
+        self.router.set_healthy(index, False)
+        deadline = time.monotonic() + timeout_s
+        while self.router.outstanding(index) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        drained = not self.router.outstanding(index)
+        if not drained:
+            await self.engines[index].abort.remote(None)
+        return drained
+
+    def set_limits(self, producer_samples: int, http_slots: int) -> None:
+        """The producer budget and generation gate for the fleet's new size."""
+        self.core.resize(producer_samples, http_slots)
 
     def set_target(self, groups: float) -> None:
         self.core.set_target(groups)

@@ -216,6 +216,22 @@ def run(file: str, overrides: tuple[str, ...], summary_json: str | None,
         _fail([str(exc)])
 
 
+@main.command(name="scale")
+@click.option("--run", "run_name", required=True, help="The running run's run.name.")
+@click.option("--engines", type=click.IntRange(min=1), required=True,
+              help="Engines the fleet should have.")
+@click.option("--placement-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds a joining engine may wait for room on the cluster [120].")
+def scale_cmd(run_name: str, engines: int, placement_timeout: float | None) -> None:
+    """Grow or shrink a running run's engine fleet (on the cluster RAY_ADDRESS names)."""
+    from launch.scale import print_result, scale_run
+
+    try:
+        print_result(scale_run(run_name, engines, placement_timeout))
+    except LookupError as exc:
+        _fail([str(exc)])
+
+
 @main.command(name="config")
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, help=SET_HELP)

@@ -49,6 +49,16 @@ def _init_ray(cfg: RunConfig, dashboard: bool = False) -> bool:
     return True
 
 
+# The controller actor's name lives here, not in the driver's own (anonymous) namespace, so
+# `rl-async scale` and other drivers on the cluster find it.
+CONTROL_NAMESPACE = "rl-async"
+
+
+def controller_options(run_name: str) -> dict:
+    """Where a run's controller actor is registered: `<run.name>/controller`."""
+    return {"name": f"{run_name}/controller", "namespace": CONTROL_NAMESPACE}
+
+
 def _print_plan(cfg: RunConfig, report: Report) -> None:
     p = report.plan
     print(f"[rl-async] {cfg.run.name}: {p.engines} engine(s), producer {p.producer_samples} samples "
@@ -142,7 +152,7 @@ def run_training(cfg: RunConfig, report: Report, summary_json: str | None,
     from actors.controller import ControllerActor
 
     _warn_shared_storage(cfg)
-    controller = ControllerActor.options(name=f"{cfg.run.name}/controller").remote(
+    controller = ControllerActor.options(**controller_options(cfg.run.name)).remote(
         cfg, report.plan, [w.to_dict() for w in report.warnings], run_dir, resume_from)
     run_ref = controller.run.remote()
 

@@ -69,6 +69,19 @@ class Router:
                                   "restarted")
         return min(candidates, key=lambda i: (self._score(i), self._assigned[i], i))
 
+    def add(self, engine, healthy: bool = False) -> int:
+        """A new engine (`rl-async scale`); returns its index. Out of routing until it holds
+        the current weights (`set_healthy`)."""
+        self.engines.append(engine)
+        for counts in (self._requests, self._tokens, self._assigned):
+            counts.append(0)
+        self._healthy.append(healthy)
+        return len(self.engines) - 1
+
+    def outstanding(self, index: int) -> int:
+        """Requests routed to engine `index` that have not come back."""
+        return self._requests[index]
+
     def set_healthy(self, index: int, healthy: bool) -> None:
         """Take an engine out of routing (dead, unresponsive, restarting) or back in."""
         self._healthy[index] = healthy

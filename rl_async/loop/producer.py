@@ -23,6 +23,7 @@ the cause instead of waiting forever.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from collections import deque
 from typing import Any, Awaitable, Callable
@@ -125,6 +126,28 @@ class Producer:
 
     def resume_generation(self) -> None:
         self._gen_gate.set()
+
+    def resize(self, producer_samples: int, http_slots: int) -> None:
+        """New limits for a fleet that changed size (`rl-async scale`). A larger limit frees
+        its new permits at once; a smaller one takes permits back as work in flight
+        returns them (nothing in flight is cut short)."""
+        g = self.limits.group_size
+        if producer_samples < g or producer_samples % g:
+            raise ValueError(f"producer budget {producer_samples} must be a positive whole "
+                             f"number of groups of {g}")
+        for sem, old, new in ((self._budget, self.limits.producer_samples, producer_samples),
+                              (self._gen_sem, self.limits.http_slots, http_slots)):
+            for _ in range(new - old):
+                sem.release()
+            if new < old:
+                self._spawn(self._take_back(sem, old - new))
+        self.limits = dataclasses.replace(self.limits, producer_samples=producer_samples,
+                                          http_slots=http_slots)
+
+    @staticmethod
+    async def _take_back(sem: asyncio.Semaphore, permits: int) -> None:
+        for _ in range(permits):
+            await sem.acquire()
 
     async def drain_generation(self, timeout_s: float) -> bool:
         """Wait until no generation request is outstanding; False if `timeout_s` passed."""

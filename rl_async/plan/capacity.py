@@ -93,6 +93,19 @@ def _producer(cfg: RunConfig, group: int, collection: int, requested: int,
     return rounded
 
 
+def limits_for_engines(cfg: RunConfig, plan: CapacityPlan, engines: int) -> tuple[int, int]:
+    """(producer_samples, http_slots) for a fleet scaled to `engines` (`rl-async scale`):
+    the HTTP gate is server_concurrency x engines; a derived producer budget is derived
+    again, an explicit one scales with the engine count (whole groups, at least one)."""
+    group = plan.group_size
+    http = plan.server_concurrency * engines
+    if cfg.async_.async_max_concurrent_samples is None and cfg.structured:
+        requested = engines * min(plan.server_concurrency, plan.max_running_requests)
+        return _round_up_to_group(max(plan.collection_samples, 2 * requested), group), http
+    scaled = plan.producer_samples * engines // plan.engines
+    return max(group, scaled // group * group), http
+
+
 def plan_capacity(cfg: RunConfig) -> tuple[CapacityPlan, list[Warning_], list[str]]:
     """Resolve every limit. Returns (plan, warnings, errors); errors make the file invalid."""
     warnings: list[Warning_] = []

@@ -21,6 +21,7 @@ KEYS = {
     "weight_publication.py": {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes",
                               "snapshot_seconds", "transfer_seconds", "load_seconds",
                               "pause_seconds", "pause_fraction", "cpu_ratio"},
+    "publication_scaling.py": {"engines", "chain", "ratio_last_to_1", "bytes"},
     "orchestration.py": {"samples_per_s", "ray_calls_per_sample", "raw_calls_per_s",
                          "controller_overhead_fraction"},
     "async_vs_sync.py": {"speedup"},
@@ -43,6 +44,7 @@ POSITIVE = {
     "vs_trl.py": ["sides.*.seconds_per_update_median", "sides.*.generated_samples_per_update",
                   "sides.*.trained_samples_per_update"],
     "buffer_ops.py": ["us_per_group.*"],
+    "publication_scaling.py": ["chain.seconds", "chain.rank0_bytes", "bytes"],
     "allocator_memory.py": ["local.seconds_ratio", "local.reuse.engine.peak",
                             "local.system.trainer.peak"],
 }

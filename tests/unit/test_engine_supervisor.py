@@ -42,7 +42,7 @@ class FakeFleet:
     def __init__(self, cfg):
         self.cfg, self.prefix = cfg, "t"
         self.engines = [FakeEngine(self, i, healthy=i == 2) for i in range(3)]
-        self.down, self.pending_up, self.fault_log = set(), set(), []
+        self.down, self.pending_up, self.fault_log, self.removed = set(), set(), [], set()
         self.incarnations = {}
         self.members_lock = asyncio.Lock()
         self.engine_start_timeout_s = 30

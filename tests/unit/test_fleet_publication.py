@@ -42,6 +42,8 @@ class Fleet(FleetPublication):
         self._channel_generation, self.version_hint = 0, 0
         self._metas = self._published_metas = [(["w"], ["float32"], [[1]], 4)]
         self._init_staging()
+        self._init_relay()
+        self._init_scale(len(engines))
         self.fault_log: list[dict] = []
         self.lost_engines: list[tuple[int, str]] = []
         self.supervisor = types.SimpleNamespace(
