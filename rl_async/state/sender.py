@@ -32,8 +32,9 @@ trainer rank 0 instead of restarting every engine.
 The channel dicts are shared with the fleet's calls on other actor threads (a CPU trainer
 runs a publication beside training; an engine lost outside a publication closes its channel
 then): they change only under `_lock`, and a channel closed mid-send fails that channel only.
-The cost of isolation is bandwidth: rank 0 sends the model once per engine instead of once
-per fleet (docs/gpu.md says when that matters).
+Sent to every engine, the cost of isolation is bandwidth: rank 0 sends the model once per
+engine; with the relay (rl_async/engine/relay.py) it sends once, to the head of a chain, in
+pieces (`chunk_bytes`). `bytes_sent` counts what it sent.
 """
 
 from __future__ import annotations
