@@ -103,14 +103,7 @@ class RayFleet(FleetPublication):
         self.pending_up: set[int] = set()
         self.members_lock = asyncio.Lock()
         self.fault_log: list[dict] = []
-        # engine -> (publication channel name, the incarnation it was formed with)
-        self.channels: dict[int, tuple[str, int]] = {}
-        self._channel_generation = 0
-        self._metas: list[tuple] = []            # the staged snapshot's buckets
-        self._published_metas: list[tuple] = []  # the last published one's (catch_up)
-        self._init_staging()
-        self._init_relay()
-        self._init_scale(plan.engines)
+        self._init_publication(plan.engines)  # channels, snapshots, relay links, scaling
         self.incarnations: dict[int, int] = {}  # engine index -> replacements so far
         self.supervisor: EngineSupervisor | None = None
         self.engine_start_timeout_s = cfg.sglang.startup_timeout_s + 60

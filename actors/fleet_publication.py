@@ -51,6 +51,16 @@ ENGINE_ERROR_GRACE_S = 2.0
 
 
 class FleetPublication(FleetStaging, FleetRelay, FleetScale):
+    def _init_publication(self, engines: int) -> None:
+        # engine -> (publication channel name, the incarnation it was formed with)
+        self.channels: dict[int, tuple[str, int]] = {}
+        self._channel_generation = 0
+        self._metas: list[tuple] = []            # the staged snapshot's buckets
+        self._published_metas: list[tuple] = []  # the last published one's (catch_up)
+        self._init_staging()
+        self._init_relay()
+        self._init_scale(engines)
+
     def _channel_name(self, i: int) -> str:
         self._channel_generation += 1
         return (f"{self.prefix}/pub/engine-{i}/n{self.incarnations.get(i, 0)}"

@@ -95,15 +95,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._requests: dict[str, Request] = {}
-        # Publication buffers (embedded_weights.py): two per bucket, the parameters are
-        # views of the live one; a staged publication waits in the other until commit.
-        self._slots: dict[tuple[str, ...], list[torch.Tensor]] = {}
-        self._live: dict[tuple[str, ...], int] = {}
-        self._staged = None
-        self.committed_digest: str | None = None  # model digest of the committed version
-        self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_*)
-        self._joined: set[str] = set()  # publication channels joined, not destroyed
-        self._relay_stores: dict = {}  # relay links opened (hosted), not yet joined
+        self._init_weights()  # publication buffers, channels, links (embedded_weights.py)
         self._seeds = itertools.count(config.sampling_seed * 1_000_003)
         self.stats = {"steps": 0, "refreshes": 0, "aborted": 0, "failed": 0, "finished": 0,
                       "prefix_hits": 0,  # prompts copied from the prompt cache

@@ -51,9 +51,19 @@ class _Staged:
 
 
 class EngineWeightsMixin:
-    """Needs from the engine: `device`, `_params`, `_version`, `_slots`, `_live`, `_staged`,
-    `_joined` (a set), `_relay_stores` (a dict), `_linears`, `_guard()`, `_weights_changed()`, `_retract_running()`,
-    `prefix_cache`, `debug_faults` (a dict; fault-injection tests only)."""
+    """Needs from the engine: `device`, `_params`, `_version`, `_linears`, `_guard()`,
+    `_weights_changed()`, `_retract_running()`, `prefix_cache`."""
+
+    def _init_weights(self) -> None:
+        # Two buffers per bucket: the parameters are views of the live one; a staged
+        # publication waits in the other until commit.
+        self._slots: dict[tuple[str, ...], list[torch.Tensor]] = {}
+        self._live: dict[tuple[str, ...], int] = {}
+        self._staged: _Staged | None = None
+        self.committed_digest: str | None = None  # model digest of the committed version
+        self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_fault)
+        self._joined: set[str] = set()  # publication channels and links joined
+        self._relay_stores: dict = {}  # relay links opened (hosted), not yet joined
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
