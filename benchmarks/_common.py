@@ -70,6 +70,22 @@ class TimedRun:
                 "end": ended}
 
 
+async def started_fleet(cfg: RunConfig, plan):
+    """A started RayFleet (its version-0 publication is a warm-up) and a Publisher over it,
+    as the controller's; the caller shuts the fleet down."""
+    from actors.fleet import RayFleet
+    from rl_async.loop.publish import Publisher
+
+    fleet = RayFleet(cfg, plan)
+    try:
+        await fleet.start()
+    except BaseException:
+        await fleet.shutdown()
+        raise
+    return fleet, Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
+                            cfg.publication.timeout_s)
+
+
 def curve_without_evals(result: dict) -> tuple[list[list], float]:
     """A TimedRun's eval curve ([step, seconds, reward]) on the training loop's clock: each
     point's wall time minus the seconds of every evaluation up to and including it (the

@@ -28,7 +28,7 @@ import json
 import statistics
 import time
 
-from _common import init_ray, load_checked  # noqa: I001  (sets sys.path first)
+from _common import init_ray, load_checked, started_fleet  # noqa: I001  (sys.path first)
 from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
@@ -37,14 +37,8 @@ import ray
 @ray.remote(num_cpus=0)
 class ScalingBench:
     async def run(self, cfg, plan, reps: int) -> dict:
-        from actors.fleet import RayFleet
-        from rl_async.loop.publish import Publisher
-
-        fleet = RayFleet(cfg, plan)
+        fleet, publisher = await started_fleet(cfg, plan)
         try:
-            await fleet.start()  # includes the version-0 publication (a warm-up)
-            publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
-                                  cfg.publication.timeout_s)
             seconds, sent, nbytes = [], [], 0
             for rep in range(reps):
                 before = await fleet.trainers[0].publication_bytes_sent.remote()

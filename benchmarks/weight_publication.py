@@ -29,7 +29,7 @@ import json
 import statistics
 import time
 
-from _common import init_ray, load_checked  # noqa: I001  (sets sys.path first)
+from _common import init_ray, load_checked, started_fleet  # noqa: I001  (sys.path first)
 from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
@@ -79,15 +79,9 @@ PARTS = ("snapshot_seconds", "transfer_seconds", "receive_seconds", "load_second
 @ray.remote(num_cpus=0)
 class PublicationBench:
     async def run(self, cfg, plan, reps: int) -> dict:
-        from actors.fleet import RayFleet
-        from rl_async.loop.publish import Publisher
-
-        fleet = RayFleet(cfg, plan)
+        fleet, publisher = await started_fleet(cfg, plan)
         try:
-            await fleet.start()  # includes the version-0 publication (a warm-up)
             ranks = [fleet.trainers[0], *fleet.engines]
-            publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
-                                  cfg.publication.timeout_s)
             pub, raw, inner, parts, cpu_pub, cpu_raw = [], [], [], [], [], []
             nbytes = 0
             for rep in range(reps):

@@ -62,15 +62,19 @@ class FakeFleet:
         self.caught_up += 1
 
 
-def test_restarts_run_concurrently_and_probing_goes_on_meanwhile(monkeypatch):
-    cfg = load_config("cluster_configs/local.toml", ["engine.health_check_interval_s=0.05",
-                                                     "engine.max_restarts=5"])
-    monkeypatch.setattr(sup.ray, "kill", lambda actor, no_restart=True: None)
-
+def no_ray(monkeypatch) -> None:
+    """Killing an actor and waiting for its name are Ray's: nothing to do here."""
     async def name_free(name):
         return None
 
+    monkeypatch.setattr(sup.ray, "kill", lambda actor, no_restart=True: None)
     monkeypatch.setattr(sup.EngineSupervisor, "_name_free", staticmethod(name_free))
+
+
+def test_restarts_run_concurrently_and_probing_goes_on_meanwhile(monkeypatch):
+    cfg = load_config("cluster_configs/local.toml", ["engine.health_check_interval_s=0.05",
+                                                     "engine.max_restarts=5"])
+    no_ray(monkeypatch)
 
     async def main():
         fleet = FakeFleet(cfg)
@@ -103,12 +107,7 @@ def test_a_replacement_lost_inside_its_own_catch_up_is_replaced_again(monkeypatc
     restart that was ignored (its restart was still running), leaving it down for good."""
     cfg = load_config("cluster_configs/local.toml", ["engine.health_check_interval_s=60",
                                                      "engine.max_restarts=5"])
-    monkeypatch.setattr(sup.ray, "kill", lambda actor, no_restart=True: None)
-
-    async def name_free(name):
-        return None
-
-    monkeypatch.setattr(sup.EngineSupervisor, "_name_free", staticmethod(name_free))
+    no_ray(monkeypatch)
 
     async def main():
         fleet = FakeFleet(cfg)
