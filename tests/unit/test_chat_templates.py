@@ -25,6 +25,7 @@ from rl_async.engine.base import GenerateOutput
 from rl_async.loop.trajectory import TrajectoryLimits, TrajectoryRunner
 from rl_async.state.tokenizers import KNOWN, cached_tokenizer
 from real_model import smollm2_tokenizer
+from test_trajectories import spans
 
 FAMILIES = sorted(KNOWN) + ["smollm2"]
 # Gemma 3's template refuses any role but alternating user/model (validate warns).
@@ -111,16 +112,6 @@ def episodes(draw, family: str):
             text = f"<think>\n{draw(TEXT)}\n</think>\n\n{text}"
         replies.append((text, draw(st.booleans())))
     return first, steps, replies
-
-
-def spans(sample: Sample) -> list[tuple[int, list[int]]]:
-    out: list[tuple[int, list[int]]] = []
-    for t, m in zip(sample.response_ids, sample.loss_mask):
-        if out and out[-1][0] == m:
-            out[-1][1].append(t)
-        else:
-            out.append((m, [t]))
-    return out
 
 
 def play(family: str, episode):
