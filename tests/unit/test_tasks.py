@@ -5,9 +5,9 @@ import json
 import pytest
 
 from rl_async.plan.load import resolve
+from rl_async.algo.stop_ids import stop_token_ids
 from rl_async.algo.tasks import (BOS, DIGIT0, EOS, DatasetError, PromptSource, answer_match_reward,
-                            final_answer, load_jsonl, stop_token_ids, successor_prompts,
-                            successor_reward)
+                            final_answer, load_jsonl, successor_prompts, successor_reward)
 from rl_async.base.types import Sample
 
 
