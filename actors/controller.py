@@ -48,7 +48,8 @@ class ControllerActor:
             await self.fleet.start()
             self.controller = Controller(self.cfg, self.plan, self.fleet, logger.log,
                                          start_step=r.step if r else 0,
-                                         start_version=r.version if r else 0)
+                                         start_version=r.version if r else 0,
+                                         resumed=r.progress if r else None)
             if r is not None:
                 self.controller.checkpoint_dir = r.path
             self.controller.stop_requested = self._stop_requested  # asked during start-up

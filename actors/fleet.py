@@ -73,6 +73,7 @@ class Resume:
     ledger: dict
     config: dict = field(default_factory=dict)  # the config the checkpoint was written with
     prompt_stream: str | None = None  # its training prompt list's digest (None: older)
+    progress: dict = field(default_factory=dict)  # the summary's counters at the checkpoint
 
 
 def metrics_rank(reporters: list[bool]) -> int:
@@ -327,7 +328,7 @@ class RayFleet(FleetPublication):
                                      for t in self._collective_ranks()))
         return out[0]
 
-    async def checkpoint(self, step: int, version: int) -> str:
+    async def checkpoint(self, step: int, version: int, progress: dict | None = None) -> str:
         """A complete checkpoint or none (rl_async.state.checkpoints): trainer state from the
         ranks that hold it and the policy as `hf/`, staged, then meta.json with the ledger
         and the config, then one rename. The producer keeps generating meanwhile."""
@@ -340,7 +341,7 @@ class RayFleet(FleetPublication):
         await self.export(str(staged / "hf"))
         final = ckpts.finalize(self.run_dir, step, {
             "policy_version": version, "ledger": ledger, "config": self.cfg.to_dict(),
-            "prompt_stream": self.prompt_stream},
+            "prompt_stream": self.prompt_stream, "progress": progress or {}},
             self.cfg.run.keep_checkpoints)
         return str(final)
 

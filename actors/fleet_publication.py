@@ -41,7 +41,7 @@ from ray.exceptions import RayActorError
 
 from actors.fleet_relay import FleetRelay
 from actors.fleet_scale import FleetScale
-from actors.fleet_staging import FleetStaging, _cause
+from actors.fleet_staging import FleetStaging, _failure_text
 from rl_async.loop.publish import BucketProgress
 from rl_async.plan.publication_budget import engine_receive_budget_s
 
@@ -92,12 +92,12 @@ class FleetPublication(FleetStaging, FleetRelay, FleetScale):
               for i, (addr, port) in zip(todo, hosts)), return_exceptions=True)
         if isinstance(joins[0], BaseException):
             raise RuntimeError(f"trainer rank 0 could not join the publication channels of "
-                               f"engines {todo}: {_cause(joins[0])}")
+                               f"engines {todo}: {_failure_text(joins[0])}")
         failed = {}
         for k, i in enumerate(todo):
             engine_side, trainer_side = joins[1 + k], joins[0].get(names[i])
             if isinstance(engine_side, BaseException):  # it never joined: the trainer's
-                failed[i] = f"joining its publication channel: {_cause(engine_side)}"
+                failed[i] = f"joining its publication channel: {_failure_text(engine_side)}"
             elif trainer_side is not None:  # side waited for it in vain
                 raise RuntimeError(f"trainer rank 0 could not join the publication channel "
                                    f"of engine-{i}, which joined: {trainer_side}")
@@ -153,10 +153,10 @@ class FleetPublication(FleetStaging, FleetRelay, FleetScale):
         if len(errors) == len(live) >= 2 and len({type(e) for e in errors}) == 1 \
                 and not isinstance(errors[0], (RayActorError, asyncio.TimeoutError)):
             raise RuntimeError(f"{what} failed on every engine alike, which is not an engine "
-                               f"fault: {_cause(errors[0])}") from errors[0]
+                               f"fault: {_failure_text(errors[0])}") from errors[0]
         for i, r in zip(live, results):
             if isinstance(r, BaseException):
-                await self.lost(i, f"{what} failed: {_cause(r)}")
+                await self.lost(i, f"{what} failed: {_failure_text(r)}")
 
     async def pause_engines(self, mode: str) -> None:
         await self._on_live_engines(lambda e: e.pause_generation.remote(mode), "pause")
@@ -320,11 +320,11 @@ class FleetPublication(FleetStaging, FleetRelay, FleetScale):
         for i, task in receivers.items():
             error = task.exception() if not task.cancelled() else None
             if i in broken:
-                failed[i] = (f"{_cause(error)}; " if error else "") + (
+                failed[i] = (f"{_failure_text(error)}; " if error else "") + (
                     f"the weight transfer to it failed on trainer rank 0: "
                     f"{trainer_failed[names[i]]}")
             elif error is not None:
-                failed[i] = f"receiving the weights failed: {_cause(error)}"
+                failed[i] = f"receiving the weights failed: {_failure_text(error)}"
             else:
                 results[i] = task.result()
         return sent, failed, results
@@ -349,7 +349,7 @@ class FleetPublication(FleetStaging, FleetRelay, FleetScale):
                                    return_exceptions=True)
         for i, g in zip(members, got):
             if isinstance(g, BaseException):
-                await self.lost(i, f"its weights checksum: {_cause(g)}")
+                await self.lost(i, f"its weights checksum: {_failure_text(g)}")
         bad = [i for i, g in zip(members, got) if isinstance(g, str) and g != want]
         if bad:
             raise RuntimeError(f"engines {bad} do not hold the trainer's weights after "

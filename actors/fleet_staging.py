@@ -105,7 +105,7 @@ class FleetStaging:
         for i, r in zip(targets, results):
             if isinstance(r, BaseException):
                 staged.aborted += 1
-                await self.lost(i, f"committing version {version} failed: {_cause(r)}")
+                await self.lost(i, f"committing version {version} failed: {_failure_text(r)}")
             else:
                 pauses.append(r["pause_seconds"])
                 committed.append(i)
@@ -125,7 +125,9 @@ class FleetStaging:
         return {"min": min(serving, default=0), "max": max(serving, default=0)}
 
 
-def _cause(exc: BaseException) -> str:
+def _failure_text(exc: BaseException) -> str:
+    """One engine-side failure as a line of the fault log (launch/run.py's _cause, by
+    contrast, digs the innermost cause out of a chain of Ray task errors)."""
     if isinstance(exc, asyncio.TimeoutError):  # builtin TimeoutError too (3.11)
         return str(exc) or "no answer within publication.channel_timeout_s"
     if isinstance(exc, RayActorError):

@@ -31,7 +31,8 @@ from rl_async.algo.environments import EnvironmentFailure
 from rl_async.algo.seeding import eval_seed
 from rl_async.loop.trajectory import turn_request
 from rl_async.loop.environment_runner import build_environment_runner
-from rl_async.algo.tasks import ENV_TASKS, response_budget, stop_token_ids
+from rl_async.algo.stop_ids import stop_token_ids
+from rl_async.algo.tasks import ENV_TASKS, response_budget
 from rl_async.base.types import Sample
 
 

@@ -102,7 +102,7 @@ def _stock_run(work, batch_size: int) -> tuple[float, int, int]:
     return run_hf_generate(_stock, work, batch_size)
 
 
-def main() -> None:
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON line")
     parser.add_argument("--requests", type=int, default=256)
@@ -117,57 +117,50 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=None,
                         help="interleaved rounds, median of each side (default 3 tiny, 1 smollm2)")
     args = parse_with_smoke(parser, requests=8, batch=4, max_len=16)
-    torch.set_num_threads(args.threads)
-    allocator = reuse_freed_memory() if args.allocator == "reuse" else "system"
     if args.repeat is None:
         args.repeat = 3 if args.model == "tiny" else 1
-    if args.model == "smollm2":
+    return args
+
+
+def model_spec(name: str) -> tuple[dict, int]:
+    """(EmbeddedEngineConfig's model keys, vocabulary size) of --model."""
+    if name == "smollm2":
         from rl_async.state.prepare_model import prepare_model
 
-        model = {"path": str(prepare_model("smollm2"))}
-        vocab = 49152
-    else:
-        model = {"hf_config": tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
-                                                max_position_embeddings=512)}
-        vocab = 512
-    engine = EmbeddedEngine(EmbeddedEngineConfig(
-        **model, max_running_requests=args.batch, torch_threads=args.threads))
-    work = make_workload(args.requests, args.seed, vocab, args.max_len, args.group)
-    # HF generate as a user runs it: its own stock copy of the same weights (the engine's
-    # model runs its linear layers through oneDNN, rl_async/engine/cpu_linear.py), in a
-    # process of its own with the same allocator setting.
-    stock = multiprocessing.get_context("spawn").Pool(
-        1, _stock_init, (model.get("hf_config"), model.get("path"), args.threads, args.allocator))
-    warm = work[: args.batch // 2]
-    asyncio.run(run_embedded(engine, [(p, 4) for p, _ in warm]))  # warm-up, not measured
-    stock.apply(_stock_run, ([(p, 4) for p, _ in warm], args.batch))
-    run_hf_generate(engine.model, [(p, 4) for p, _ in warm], args.batch)
+        return {"path": str(prepare_model("smollm2"))}, 49152
+    return {"hf_config": tiny_llama_config(vocab_size=512, hidden_size=128, num_layers=2,
+                                           max_position_embeddings=512)}, 512
 
-    # run.deterministic: the same engine decoding batch-invariantly (one forward per row).
-    invariant = EmbeddedEngine(EmbeddedEngineConfig(
-        **model, max_running_requests=args.batch, torch_threads=args.threads,
-        batch_invariant=True))
-    asyncio.run(run_embedded(invariant, [(p, 4) for p, _ in warm]))
 
-    # --repeat interleaved rounds, the median time of each side (a 1-second tiny run is noise)
-    rounds: dict[str, list[float]] = {"emb": [], "hf": [], "same": [], "inv": []}
-    hits_per_round = []
+def measure(args, engine, invariant, stock, work) -> dict:
+    """--repeat interleaved rounds, each side from a cold prompt cache; per side the round
+    seconds, and the useful tokens and prefix hits of the rounds."""
+    rounds: dict[str, list[float]] = {"emb": [], "hf": [], "same": [], "inv": [], "hits": []}
     for _ in range(args.repeat):
         for e in (engine, invariant):  # a cold prompt cache, as after every weight load
             asyncio.run(e.flush_cache())
         hits = engine.stats["prefix_hits"]
-        seconds, emb_tokens = asyncio.run(run_embedded(engine, work))
-        hits_per_round.append(engine.stats["prefix_hits"] - hits)
+        seconds, rounds["emb_tokens"] = asyncio.run(run_embedded(engine, work))
+        rounds["hits"].append(engine.stats["prefix_hits"] - hits)
         rounds["emb"].append(seconds)
-        seconds, hf_tokens, hf_computed = stock.apply(_stock_run, (work, args.batch))
+        seconds, rounds["hf_tokens"], rounds["hf_computed"] = stock.apply(
+            _stock_run, (work, args.batch))
         rounds["hf"].append(seconds)
         # the same static batches on the engine's kernels: the scheduling's share of the ratio
         rounds["same"].append(run_hf_generate(engine.model, work, args.batch)[0])
-        seconds, inv_tokens = asyncio.run(run_embedded(invariant, work))
+        seconds, rounds["inv_tokens"] = asyncio.run(run_embedded(invariant, work))
         rounds["inv"].append(seconds)
+    return rounds
+
+
+def report(args, rounds: dict, engine, allocator: str) -> dict:
     emb_s, hf_s, same_s, inv_s = (statistics.median(rounds[k])
                                   for k in ("emb", "hf", "same", "inv"))
-    result = {
+    emb_tokens, hf_tokens, inv_tokens = (rounds[k] for k in ("emb_tokens", "hf_tokens",
+                                                             "inv_tokens"))
+    if emb_tokens != hf_tokens:
+        raise SystemExit(f"useful token counts differ: embedded {emb_tokens} vs hf {hf_tokens}")
+    return {
         "embedded_tokens_per_s": round(emb_tokens / emb_s, 1),
         "hf_generate_tokens_per_s": round(hf_tokens / hf_s, 1),
         "ratio": round((emb_tokens / emb_s) / (hf_tokens / hf_s), 3),
@@ -179,26 +172,47 @@ def main() -> None:
         "onednn_linear": engine.stats["onednn_linear"],
         "engine_allocator": allocator,
         # siblings admitted after their prompt's prefill, per round (the cache starts empty)
-        "prefix_hits_per_round": hits_per_round,
+        "prefix_hits_per_round": rounds["hits"],
         "batch_invariant_tokens_per_s": round(inv_tokens / inv_s, 1),
         # throughput kept by run.deterministic, and its standing against HF generate
         "batch_invariant_fraction": round((inv_tokens / inv_s) / (emb_tokens / emb_s), 3),
         "batch_invariant_vs_hf": round((inv_tokens / inv_s) / (hf_tokens / hf_s), 3),
-        "useful_tokens": emb_tokens,
-        "hf_useful_tokens": hf_tokens,
-        "hf_computed_tokens": hf_computed,
-        "embedded_seconds": round(emb_s, 2),
-        "hf_seconds": round(hf_s, 2),
-        "requests": args.requests,
-        "repeat": args.repeat,
-        "group": args.group,
-        "model": args.model,
-        "max_running_requests": args.batch,
+        "useful_tokens": emb_tokens, "hf_useful_tokens": hf_tokens,
+        "hf_computed_tokens": rounds["hf_computed"],
+        "embedded_seconds": round(emb_s, 2), "hf_seconds": round(hf_s, 2),
+        "requests": args.requests, "repeat": args.repeat, "group": args.group,
+        "model": args.model, "max_running_requests": args.batch,
         "engine_steps": engine.load().extra["steps"],
     }
-    stock.close()
-    if emb_tokens != hf_tokens:
-        raise SystemExit(f"useful token counts differ: embedded {emb_tokens} vs hf {hf_tokens}")
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    allocator = reuse_freed_memory() if args.allocator == "reuse" else "system"
+    model, vocab = model_spec(args.model)
+    engine = EmbeddedEngine(EmbeddedEngineConfig(
+        **model, max_running_requests=args.batch, torch_threads=args.threads))
+    # run.deterministic: the same engine decoding batch-invariantly (one forward per row).
+    invariant = EmbeddedEngine(EmbeddedEngineConfig(
+        **model, max_running_requests=args.batch, torch_threads=args.threads,
+        batch_invariant=True))
+    work = make_workload(args.requests, args.seed, vocab, args.max_len, args.group)
+    # HF generate as a user runs it: its own stock copy of the same weights (the engine's
+    # model runs its linear layers through oneDNN, rl_async/engine/cpu_linear.py), in a
+    # process of its own with the same allocator setting.
+    stock = multiprocessing.get_context("spawn").Pool(
+        1, _stock_init, (model.get("hf_config"), model.get("path"), args.threads,
+                         args.allocator))
+    warm = [(p, 4) for p, _ in work[: args.batch // 2]]  # warm-ups, not measured
+    for e in (engine, invariant):
+        asyncio.run(run_embedded(e, warm))
+    stock.apply(_stock_run, (warm, args.batch))
+    run_hf_generate(engine.model, warm, args.batch)
+    try:
+        result = report(args, measure(args, engine, invariant, stock, work), engine, allocator)
+    finally:
+        stock.close()
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 
 

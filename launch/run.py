@@ -122,7 +122,8 @@ def resolve_resume(cfg: RunConfig, resume: str | None):
     cfg = ckpts.keep_schedule_horizon(meta["config"], cfg)
     return cfg, str(path.parent), Resume(str(path), int(meta["step"]),
                                          int(meta["policy_version"]), meta["ledger"],
-                                         meta["config"], meta.get("prompt_stream"))
+                                         meta["config"], meta.get("prompt_stream"),
+                                         meta.get("progress", {}))
 
 
 LATEST = "latest"  # `--resume` without a path

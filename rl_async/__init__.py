@@ -3,7 +3,7 @@
 Rooms, ground floor first; a room imports only rooms on lower floors (tests/unit/
 test_layout.py keeps the order):
 
-    base      types, clock, asyncio helpers
+    base      types, clock, asyncio helpers, the process allocator setting
     algo      loss, advantages, tasks, rewards, judging, evaluation, seeding
     observe   metrics, queue metrics, calibration, compare
     plan      config, loading, capacity plan, checks, dry run

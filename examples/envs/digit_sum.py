@@ -10,17 +10,22 @@ reset, step, score and max_turns; async, as the producer awaits them.
 
 from __future__ import annotations
 
+import asyncio
+
 
 RULES = {"sum": lambda ds: sum(ds) % 10, "first": lambda ds: ds[0],
          "first_plus_one": lambda ds: (ds[0] + 1) % 10}
 
 
 class DigitSum:
-    def __init__(self, digits: int = 2, rule: str = "sum"):
+    def __init__(self, digits: int = 2, rule: str = "sum", delay_s: float = 0.0):
         if rule not in RULES:
             raise ValueError(f"rule = {rule!r}: one of {sorted(RULES)}")
         self.max_turns = digits  # one assistant turn per revealed digit
         self.rule = RULES[rule]
+        # Seconds each step waits (no CPU): a slower environment, for measuring what an
+        # environment's latency does to an async run (docs/environments.md, the demo).
+        self.delay_s = delay_s
 
     async def reset(self, row: dict):
         digits = [int(d) for d in row["digits"]]
@@ -30,6 +35,8 @@ class DigitSum:
         return [{"role": "user", "content": str(digits[0])}], {"digits": digits, "shown": 1}
 
     async def step(self, messages: list[dict], state: dict):
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if state["shown"] == len(state["digits"]):
             return [], True  # the answer is in; nothing more to reveal
         state["shown"] += 1
@@ -41,8 +48,8 @@ class DigitSum:
         return 1.0 if answer[:1] == target else 0.0
 
 
-def make_env(digits: int = 2, rule: str = "sum") -> DigitSum:
-    return DigitSum(digits, rule)
+def make_env(digits: int = 2, rule: str = "sum", delay_s: float = 0.0) -> DigitSum:
+    return DigitSum(digits, rule, delay_s)
 
 
 class DigitSumAgent:

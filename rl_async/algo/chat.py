@@ -86,7 +86,8 @@ def apply_chat_settings(tokenizer, template: str | None, kwargs: dict | None) ->
 def run_renderer(cfg) -> "ChatRenderer":
     """The run's chat renderer: the checkpoint's tokenizer (or the built-in digit one for a
     config-built model) with the task's chat settings, and the run's stop tokens."""
-    from rl_async.algo.tasks import load_tokenizer, stop_token_ids
+    from rl_async.algo.stop_ids import stop_token_ids
+    from rl_async.algo.tasks import load_tokenizer
 
     template, kwargs = cfg.task.chat_template, cfg.task.chat_template_kwargs
     if cfg.model.path is not None:

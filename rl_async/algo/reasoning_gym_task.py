@@ -23,11 +23,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_async.base.types import Sample
 
 EXTRA = "reasoning-gym (pip install -e '.[envs]')"
+
+if TYPE_CHECKING:
+    from rl_async.algo.tasks import Prompt
 
 
 class ReasoningGymError(ValueError):
@@ -111,3 +114,28 @@ def reasoning_gym_reward(sample: Sample) -> float:
     m = sample.metadata
     dataset = _dataset(m["rg_dataset"], m["rg_config"], int(m["rg_seed"]))
     return float(dataset.score_answer(extract(text), dataset[int(m["rg_index"])]))
+
+
+def reasoning_gym_prompts(dataset: str, args: dict, num_eval: int, tokenizer, seed: int,
+                          split: str) -> list[Prompt]:
+    """reasoning-gym entries as chat prompts; held-out questions never appear in training."""
+    from rl_async.algo.tasks import DatasetError, Prompt, encode_messages, held_out_split
+
+    if tokenizer is None:
+        raise DatasetError("task.name = 'reasoning_gym' needs model.path with a tokenizer "
+                           "(its questions are text)")
+    system = system_prompt()
+    prompts = [Prompt(prompt_id=row["id"], metadata=row, prompt_ids=encode_messages(
+        tokenizer, [{"role": "system", "content": system},
+                    {"role": "user", "content": row["question"]}]))
+        for row in rows(dataset, args, seed)]
+    where = f"reasoning_gym:{dataset}"
+    train, held = held_out_split(prompts, num_eval, where)
+    if split != "train":
+        return held
+    seen = {p.metadata["question"] for p in held}
+    train = [p for p in train if p.metadata["question"] not in seen]
+    if not train:
+        raise DatasetError(f"{where}: every question is also a held-out one; raise "
+                           f"task.dataset_config.size or lower task.num_eval_prompts")
+    return train

@@ -14,7 +14,9 @@ schedule_batch.py) on a token in `stop_token_ids`, in the model's `eos_token_ids
 
 from __future__ import annotations
 
+import functools
 import json
+import types
 from pathlib import Path
 
 # python/sglang/srt/utils/hf_transformers/common.py, _ADDITIONAL_STOP_TOKEN_TEXTS
@@ -50,3 +52,53 @@ def tokenizer_stop_ids(tokenizer) -> set[int]:
 def model_stop_ids(model_path: str | Path, tokenizer=None) -> set[int]:
     """Every id SGLang stops the checkpoint at when a request names no stop ids."""
     return config_eos_ids(model_path) | tokenizer_stop_ids(tokenizer)
+
+
+# The rollouts' stop ids (what producers send with every request)
+
+def _eos_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def stop_token_ids(cfg, tokenizer=None) -> tuple[int, ...]:
+    """rollout.stop_token_ids, else the built-in task's EOS, else every end-of-sequence id
+    the model declares: config.json's and generation_config.json's eos_token_id (chat
+    models often list their turn terminator only in the latter: Gemma's <end_of_turn>), the
+    tokenizer's eos token (`tokenizer`, or the checkpoint's own files) and the turn-end
+    markers SGLang stops at too: the embedded engine stops where SGLang would."""
+    if cfg.rollout.stop_token_ids is not None:
+        return tuple(cfg.rollout.stop_token_ids)
+    from rl_async.algo.tasks import ENV_TASKS, EOS
+
+    if cfg.task.name == "successor" or (cfg.task.name in ENV_TASKS and cfg.model.path is None):
+        return (EOS,)  # the built-in vocabulary's EOS (the digit chat template's turn end)
+    if cfg.model.path is None:
+        return ()
+    from transformers import AutoConfig
+
+    ids = _eos_ids(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id)
+    generation = Path(cfg.model.path).expanduser() / "generation_config.json"
+    if generation.is_file():
+        ids += _eos_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    stops = (_tokenizer_stops(tokenizer) if tokenizer is not None
+             else _checkpoint_tokenizer_stops(cfg.model.path))
+    return tuple(dict.fromkeys(ids + stops))  # in order, once each
+
+
+def _tokenizer_stops(tokenizer) -> list[int]:
+    """The tokenizer's eos id, then the turn-end markers SGLang also stops at
+    (<|eom_id|> and kin, where the added vocabulary has them)."""
+    eos = _eos_ids(tokenizer.eos_token_id)
+    return eos + sorted(tokenizer_stop_ids(tokenizer) - set(eos))
+
+
+@functools.lru_cache(maxsize=8)
+def _checkpoint_tokenizer_stops(path: str) -> list[int]:
+    """_tokenizer_stops of the checkpoint's own tokenizer (loaded once per path: sampling
+    settings are built at every evaluation)."""
+    from rl_async.algo.tasks import load_tokenizer
+
+    tokenizer = load_tokenizer(types.SimpleNamespace(path=path))
+    return [] if tokenizer is None else _tokenizer_stops(tokenizer)

@@ -17,12 +17,10 @@ response's final answer with `answer`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import random
 import re
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,9 +216,13 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
         return successor_prompts(task_cfg.modulus, vocab_size, task_cfg.prompt_digits, split,
                                  task_cfg.count_tokens)
     if task_cfg.name == "reasoning_gym":
+        from rl_async.algo.reasoning_gym_task import reasoning_gym_prompts
+
         return reasoning_gym_prompts(task_cfg.dataset, task_cfg.dataset_config,
                                      task_cfg.num_eval_prompts, tokenizer, seed, split)
     if task_cfg.name == "verifiers":
+        from rl_async.algo.verifiers_env import verifiers_prompts
+
         return verifiers_prompts(task_cfg, split)
     load = load_jsonl
     if task_cfg.name == "env":  # rows for the environment's reset, not prompts
@@ -233,52 +235,6 @@ def build_prompts(task_cfg, vocab_size: int, split: str = "train",
     train, held = held_out_split(load(task_cfg.path, tokenizer, vocab_size),
                                  task_cfg.num_eval_prompts, task_cfg.path)
     return train if split == "train" else held
-
-
-def verifiers_prompts(task_cfg, split: str) -> list[Prompt]:
-    """A verifiers environment's rows (rl_async.algo.verifiers_env): its eval_dataset for
-    evaluation when it has one, else a hash split of its dataset."""
-    from rl_async.algo import verifiers_env
-
-    env = verifiers_env.load(task_cfg.env, task_cfg.env_args)
-
-    def prompts(rows: list[dict], part: str) -> list[Prompt]:
-        return [Prompt(prompt_id=str(r.get("example_id", i)), prompt_ids=[],
-                       metadata={"row": r, "where": f"verifiers:{task_cfg.env}:{part}[{i}]"})
-                for i, r in enumerate(rows)]
-
-    train = prompts(verifiers_env.rows(env, "train"), "dataset")
-    held = verifiers_env.rows(env, "eval")
-    if held is not None:
-        return train if split == "train" else prompts(held, "eval_dataset")
-    train, held = held_out_split(train, task_cfg.num_eval_prompts, f"verifiers:{task_cfg.env}")
-    return train if split == "train" else held
-
-
-def reasoning_gym_prompts(dataset: str, args: dict, num_eval: int, tokenizer, seed: int,
-                          split: str) -> list[Prompt]:
-    """reasoning-gym entries as chat prompts (rl_async.algo.reasoning_gym_task); held-out
-    questions never appear in training."""
-    from rl_async.algo import reasoning_gym_task as rg
-
-    if tokenizer is None:
-        raise DatasetError("task.name = 'reasoning_gym' needs model.path with a tokenizer "
-                           "(its questions are text)")
-    system = rg.system_prompt()
-    prompts = [Prompt(prompt_id=row["id"], metadata=row, prompt_ids=encode_messages(
-        tokenizer, [{"role": "system", "content": system},
-                    {"role": "user", "content": row["question"]}]))
-        for row in rg.rows(dataset, args, seed)]
-    where = f"reasoning_gym:{dataset}"
-    train, held = held_out_split(prompts, num_eval, where)
-    if split != "train":
-        return held
-    seen = {p.metadata["question"] for p in held}
-    train = [p for p in train if p.metadata["question"] not in seen]
-    if not train:
-        raise DatasetError(f"{where}: every question is also a held-out one; raise "
-                           f"task.dataset_config.size or lower task.num_eval_prompts")
-    return train
 
 
 def held_out_split(prompts: list[Prompt], n: int, where: str) -> tuple[list[Prompt], list[Prompt]]:
@@ -352,52 +308,6 @@ def engine_prompt_limit(cfg) -> int | None:
     if cfg.task.name in ENV_TASKS and budget is not None:
         return max(budget - 1, cfg.rollout.max_prompt_len or 0)
     return cfg.rollout.max_prompt_len
-
-
-def _eos_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def stop_token_ids(cfg, tokenizer=None) -> tuple[int, ...]:
-    """rollout.stop_token_ids, else the built-in task's EOS, else every end-of-sequence id
-    the model declares: config.json's and generation_config.json's eos_token_id (chat
-    models often list their turn terminator only in the latter: Gemma's <end_of_turn>), the
-    tokenizer's eos token (`tokenizer`, or the checkpoint's own files) and the turn-end
-    markers SGLang stops at too: the embedded engine stops where SGLang would."""
-    if cfg.rollout.stop_token_ids is not None:
-        return tuple(cfg.rollout.stop_token_ids)
-    if cfg.task.name == "successor" or (cfg.task.name in ENV_TASKS and cfg.model.path is None):
-        return (EOS,)  # the built-in vocabulary's EOS (the digit chat template's turn end)
-    if cfg.model.path is None:
-        return ()
-    from transformers import AutoConfig
-
-    ids = _eos_ids(AutoConfig.from_pretrained(cfg.model.path, local_files_only=True).eos_token_id)
-    generation = Path(cfg.model.path).expanduser() / "generation_config.json"
-    if generation.is_file():
-        ids += _eos_ids(json.loads(generation.read_text()).get("eos_token_id"))
-    stops = (_tokenizer_stops(tokenizer) if tokenizer is not None
-             else _checkpoint_tokenizer_stops(cfg.model.path))
-    return tuple(dict.fromkeys(ids + stops))  # in order, once each
-
-
-def _tokenizer_stops(tokenizer) -> list[int]:
-    """The tokenizer's eos id, then the turn-end markers SGLang also stops at
-    (rl_async/algo/stop_ids.py: <|eom_id|> and kin, where the added vocabulary has them)."""
-    from rl_async.algo.stop_ids import tokenizer_stop_ids
-
-    eos = _eos_ids(tokenizer.eos_token_id)
-    return eos + sorted(tokenizer_stop_ids(tokenizer) - set(eos))
-
-
-@functools.lru_cache(maxsize=8)
-def _checkpoint_tokenizer_stops(path: str) -> list[int]:
-    """_tokenizer_stops of the checkpoint's own tokenizer (loaded once per path: sampling
-    settings are built at every evaluation)."""
-    tokenizer = load_tokenizer(types.SimpleNamespace(path=path))
-    return [] if tokenizer is None else _tokenizer_stops(tokenizer)
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

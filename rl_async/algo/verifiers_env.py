@@ -33,11 +33,14 @@ import contextlib
 import importlib.util
 import json
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rl_async.algo.environments import InfrastructureError
 
 EXTRA = "verifiers (pip install -e '.[envs]')"
+
+if TYPE_CHECKING:
+    from rl_async.algo.tasks import Prompt
 
 
 class VerifiersError(ValueError):
@@ -211,3 +214,23 @@ def judge_error(error: Any) -> str:
 def make_agent(module: str, args: dict[str, Any] | None = None, cfg=None) -> VerifiersAgent:
     return VerifiersAgent(load(module, args),
                           None if cfg is None else cfg.rollout.max_trajectory_tokens)
+
+
+def verifiers_prompts(task_cfg, split: str) -> list[Prompt]:
+    """A verifiers environment's rows: its eval_dataset for
+    evaluation when it has one, else a hash split of its dataset."""
+    from rl_async.algo.tasks import Prompt, held_out_split
+
+    env = load(task_cfg.env, task_cfg.env_args)
+
+    def prompts(rows: list[dict], part: str) -> list[Prompt]:
+        return [Prompt(prompt_id=str(r.get("example_id", i)), prompt_ids=[],
+                       metadata={"row": r, "where": f"verifiers:{task_cfg.env}:{part}[{i}]"})
+                for i, r in enumerate(rows)]
+
+    train = prompts(rows(env, "train"), "dataset")
+    held = rows(env, "eval")
+    if held is not None:
+        return train if split == "train" else prompts(held, "eval_dataset")
+    train, held = held_out_split(train, task_cfg.num_eval_prompts, f"verifiers:{task_cfg.env}")
+    return train if split == "train" else held

@@ -54,7 +54,7 @@ from rl_async.engine.fast_decode import fast_decode_for
 from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request, Scheduler
 from rl_async.engine.timing import RequestLatency, StepCurve
-from rl_async.engine.embedded_config import EmbeddedEngineConfig  # noqa: F401 -- re-exported
+from rl_async.engine.embedded_config import EmbeddedEngineConfig, check_fits  # noqa: F401 -- re-exported
 from rl_async.engine.embedded_weights import EngineWeightsMixin
 from rl_async.state.weights import weights_checksum
 
@@ -89,6 +89,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._batch: KVBatch | None = None
         self._version = 0
         self._paused = False
+        self._computing = False  # inside a step's forward (seconds_without_progress)
+        self._last_progress = time.monotonic()  # the last step's end, or the last wake-up
         self._lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -125,6 +127,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         request = Request(rid, list(input_ids), sampling_params, generator,
                           asyncio.get_running_loop().create_future())
         self._requests[rid] = request
+        if not self._busy():  # waiting starts now, not at the last step before a quiet spell
+            self._last_progress = time.monotonic()
         self.scheduler.enqueue(request)
         self._wake.set()
         arrived = time.perf_counter()
@@ -151,25 +155,9 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
     def _validate(self, input_ids: list[int], params: SamplingParams,
                   request_id: str | None) -> None:
         check_request(input_ids, params)
-        if len(input_ids) > self.max_prompt_len:
-            raise InvalidRequestError(
-                f"input_ids: prompt length {len(input_ids)} exceeds max_prompt_len = "
-                f"{self.max_prompt_len}; shorten the prompt or raise engine.max_prompt_len")
-        for key, ids in (("input_ids", input_ids), ("sampling_params.stop_token_ids",
-                                                    params.stop_token_ids)):
-            bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequestError(f"{key}: token ids {bad[:5]!r} outside the vocabulary "
-                                          f"[0, {self.vocab_size})")
-        if len(input_ids) + params.max_new_tokens > self.context_len:
-            raise InvalidRequestError(
-                f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt "
-                f"({len(input_ids)}) + max_new_tokens exceeds context_len = {self.context_len}")
-        if len(input_ids) + params.max_new_tokens > self.scheduler.max_total_tokens:
-            raise InvalidRequestError(
-                f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt + "
-                f"max_new_tokens exceeds engine.max_total_tokens = "
-                f"{self.scheduler.max_total_tokens}; raise it or shorten the request")
+        check_fits(input_ids, params, max_prompt_len=self.max_prompt_len,
+                   vocab_size=self.vocab_size, context_len=self.context_len,
+                   max_total_tokens=self.scheduler.max_total_tokens)
         if request_id is not None and request_id in self._requests:
             raise InvalidRequestError(f"request_id = {request_id!r}: already in flight")
 
@@ -250,10 +238,12 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
     def seconds_without_progress(self) -> float:
         """How long requests have waited for a decode step (0 when idle or paused): the
         health probe's sign of a forward that hangs while the actor still answers."""
-        busy = bool(self.scheduler.waiting) or self._batch is not None
-        if self._paused or not busy:
+        if self._paused or not self._busy():
             return 0.0
-        return time.monotonic() - getattr(self, "_last_progress", time.monotonic())
+        return time.monotonic() - self._last_progress
+
+    def _busy(self) -> bool:
+        return bool(self.scheduler.waiting) or self._batch is not None or self._computing
 
     def load(self) -> EngineLoad:
         running = self._batch.requests if self._batch is not None else []
@@ -336,6 +326,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         if not involved:
             return None
         start = time.perf_counter()
+        self._computing = True  # admitted requests are in neither the queue nor the batch yet
         try:
             if self.config.forward_in_thread:
                 finished = await asyncio.to_thread(self._compute, admitted)
@@ -347,6 +338,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
                 f"engine step failed for {len(involved)} request(s) "
                 f"({[r.rid for r in involved][:4]}...): {type(exc).__name__}: {exc}"))
             return None
+        finally:
+            self._computing = False
         self.stats["steps"] += 1
         end = time.perf_counter()
         self._last_progress = time.monotonic()

@@ -57,3 +57,31 @@ class EmbeddedEngineConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"engine.{key} = {value!r}: must be an int >= 1")
+
+
+def check_fits(input_ids: list[int], params, *, max_prompt_len: int, vocab_size: int,
+               context_len: int, max_total_tokens: int) -> None:
+    """A request this engine can hold: prompt length, token ids inside the vocabulary, and
+    prompt + max_new_tokens within the model's context and the engine's KV budget; raises
+    InvalidRequestError naming the field and the limit."""
+    from rl_async.engine.base import InvalidRequestError
+
+    if len(input_ids) > max_prompt_len:
+        raise InvalidRequestError(
+            f"input_ids: prompt length {len(input_ids)} exceeds max_prompt_len = "
+            f"{max_prompt_len}; shorten the prompt or raise rollout.max_prompt_len")
+    for key, ids in (("input_ids", input_ids), ("sampling_params.stop_token_ids",
+                                                params.stop_token_ids)):
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{key}: token ids {bad[:5]!r} outside the vocabulary "
+                                      f"[0, {vocab_size})")
+    if len(input_ids) + params.max_new_tokens > context_len:
+        raise InvalidRequestError(
+            f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt "
+            f"({len(input_ids)}) + max_new_tokens exceeds context_len = {context_len}")
+    if len(input_ids) + params.max_new_tokens > max_total_tokens:
+        raise InvalidRequestError(
+            f"sampling_params.max_new_tokens = {params.max_new_tokens}: prompt + "
+            f"max_new_tokens exceeds engine.max_total_tokens = {max_total_tokens}; raise it "
+            f"or shorten the request")

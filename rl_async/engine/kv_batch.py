@@ -26,7 +26,9 @@ class GrowingLayer(DynamicLayer):
     """A DynamicLayer whose keys and values live at the front of a buffer with room to grow:
     a decode step writes its column in place instead of concatenating the whole cache (which
     copied every layer's KV every step: a fifth of the tiny engine's time). `keys`/`values`
-    are views of the filled part; assigning them adopts the tensor as the new buffer."""
+    are views of the filled part. Replace both with `set_kv(keys, values)`: assigning `keys`
+    alone moves the filled length, so a `values` read after it takes the wrong columns (the
+    setters stay for transformers' own DynamicLayer code, which assigns them)."""
 
     _k = _v = None
     _len = 0
@@ -47,6 +49,11 @@ class GrowingLayer(DynamicLayer):
     @values.setter
     def values(self, value):
         self._v = value
+
+    def set_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Adopt two tensors as the buffers, filled to their length."""
+        self._k, self._v = keys, values
+        self._len = keys.shape[-2] if keys.dim() == 4 else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -76,7 +83,7 @@ def new_cache(kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Dyna
         for k, v in kv:
             layer = GrowingLayer()
             layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
+            layer.set_kv(k, v)
             layers.append(layer)
         cache.layers = layers
     return cache
@@ -204,8 +211,8 @@ def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch
     # layers, and NaN * 0 attention weight is still NaN.
     real_B1L1 = mask_BL[:, None, :, None].bool()
     for layer in cache.layers:
-        layer.keys, layer.values = (torch.where(real_B1L1, layer.keys, 0),
-                                    torch.where(real_B1L1, layer.values, 0))
+        layer.set_kv(torch.where(real_B1L1, layer.keys, 0),
+                     torch.where(real_B1L1, layer.values, 0))
     return KVBatch(cache, mask_BL, list(requests)), out.logits[:, -1]
 
 
@@ -272,11 +279,8 @@ def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
         logits.append(done[key][0])
         new_kv.append(done[key][1])
     for i, layer in enumerate(batch.cache.layers):
-        # both read before either is assigned: assigning keys moves the filled length, so
-        # values read after it would take a column of a buffer's room
-        layer.keys, layer.values = (
-            torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2),
-            torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2))
+        layer.set_kv(torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2),
+                     torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2))
     batch.mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)],
                               dim=1)
     return torch.cat(logits)

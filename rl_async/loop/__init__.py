@@ -2,6 +2,6 @@
 producer pool, the completed-group buffer, the prompt ledger, the publication state machine,
 the fault policies and the event-loop monitor.
 
-Imports: every room below it (`base` .. `engine`) but never `train`, `sim`, the actors or
-Ray: the trainer and the fleet reach it through the `Fleet` interface.
+Imports: `base`, `algo`, `observe`, `plan`, `engine`; never the trainers, the simulator, the
+actors or Ray: the trainer and the fleet reach it through the `Fleet` interface.
 """

@@ -25,7 +25,8 @@ from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
-from rl_async.loop.progress import Progress, orchestration_metrics
+from rl_async.loop.progress import (CUMULATIVE, Progress, cumulative_state,
+                                    orchestration_metrics)
 from rl_async.observe.provenance import ProvenanceTotals
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
@@ -50,7 +51,7 @@ class Fleet(PublicationOps, Protocol):
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
     async def set_threads(self, engine: int, trainer: int) -> None: ...
     async def evaluate(self) -> dict[str, float]: ...
-    async def checkpoint(self, step: int, version: int) -> str: ...
+    async def checkpoint(self, step: int, version: int, progress: dict | None = None) -> str: ...
     async def record_trained(self, step: int, version: int, groups: list[Group],
                              info: dict | None = None) -> None: ...
     async def metrics(self) -> dict[str, float]: ...
@@ -70,14 +71,19 @@ def canonical_order(groups: list[Group]) -> list[Group]:
 class Controller:
     def __init__(self, cfg: RunConfig, plan: CapacityPlan, fleet: Fleet,
                  log: Callable[[dict[str, float], int], None], watchdog_s: float = 60.0,
-                 start_step: int = 0, start_version: int = 0):
+                 start_step: int = 0, start_version: int = 0, resumed: dict | None = None):
         """`start_step` / `start_version`: a resumed run continues the counts of its
-        checkpoint (run.max_steps is the run's total)."""
+        checkpoint (run.max_steps is the run's total); `resumed`: the checkpoint's progress
+        (rl_async.loop.progress.cumulative_state), so the summary counts the whole run."""
         self.cfg, self.plan, self.fleet, self.log = cfg, plan, fleet, log
         self.version = start_version
         self.publisher = Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                                    cfg.publication.timeout_s)
         self.progress = Progress(step=start_step, version=start_version)
+        self._resumed = dict(resumed or {})
+        for name in CUMULATIVE:
+            if name in self._resumed:
+                setattr(self.progress, name, self._resumed[name])
         # What `rl-async simulate --calibrate` reads back from the summary.
         self.calibration = CalibrationStats()
         self.provenance = ProvenanceTotals()  # run.audit_fraction's findings
@@ -96,10 +102,13 @@ class Controller:
         self._loop_s = 0.0  # collection + training + publication seconds, evaluations out
 
     async def run(self) -> dict[str, Any]:
-        self._start = clock.now()
+        # a resumed run's clock continues where its checkpoint left it
+        self._start = clock.now() - float(self._resumed.get("wall_seconds", 0.0))
         p = self.progress
         p.phase = "eval"
-        p.initial_eval = await self._evaluate()
+        started_at = await self._evaluate()
+        if "initial_eval" not in self._resumed:
+            p.initial_eval = started_at
         if generates_per_collection(self.cfg, self.plan):
             # Before the producer starts: with no target it would open groups up to its
             # whole budget, which may exceed one collection (then sampled ahead and stale).
@@ -339,7 +348,9 @@ class Controller:
             if self.threads is not None:  # nor is the checkpoint's work
                 self.threads.interrupt()
             self.checkpoint_dir = await self._bounded(
-                self.fleet.checkpoint(p.step, self.version), f"the checkpoint of step {p.step}")
+                self.fleet.checkpoint(p.step, self.version,
+                                      cumulative_state(p, clock.now() - self._start)),
+                f"the checkpoint of step {p.step}")
             self._checkpoint_step = p.step
 
     async def _evaluate(self) -> float:

@@ -33,6 +33,18 @@ class Progress:
     bound: str = ""  # which side bounds the loop, once measured (rl_async/loop/threads.py)
 
 
+# What a checkpoint keeps of the progress, so that a resumed run's summary is the whole run's
+# (steps and the ledger were; time, throughput, the eval curve and the guard's count restarted
+# at zero). `wall_seconds` is saved beside them: the loop's clock continues from it.
+CUMULATIVE = ("initial_eval", "eval_curve", "eval_first", "useful_tokens", "trained_samples",
+              "max_staleness", "staleness_sum", "staleness_groups", "nonfinite_updates",
+              "trainer_wait_seconds", "dropped_samples", "delivered_samples", "discard_fraction")
+
+
+def cumulative_state(p: Progress, wall_seconds: float) -> dict:
+    return {**{name: getattr(p, name) for name in CUMULATIVE}, "wall_seconds": wall_seconds}
+
+
 def orchestration_metrics(step_s: float, wait_s: float, train_s: float, publish_s: float,
                           updates: int) -> dict[str, float]:
     """The controller loop's own time in one collection: everything but waiting for the

@@ -1,5 +1,5 @@
 """What a run shows: metrics sinks (W&B, console, memory), the completed-queue metrics of
 SPEC §7, the calibration a run measures for the simulator, and `rl-async compare`.
 
-Imports: `rl_async.base` only.
+Imports: `base`.
 """

@@ -1,4 +1,5 @@
 """The simulator (`rl-async simulate`): the real Ray-free core on a virtual clock.
 
-Imports: everything in rl_async (it runs the loop with synthetic engines and trainer).
+Imports: `base`, `observe`, `plan`, `engine`, `loop` (it runs the loop with synthetic
+engines and a synthetic trainer).
 """

@@ -304,7 +304,7 @@ class SimFleet:
         self.eval_seconds += clock.now() - start
         return {"reward": 0.0}
 
-    async def checkpoint(self, step: int, version: int) -> str:
+    async def checkpoint(self, step: int, version: int, progress: dict | None = None) -> str:
         return f"simulated/step_{step}"  # checkpoint time is not modelled
 
     async def metrics(self) -> dict[str, float]:

@@ -2,5 +2,5 @@
 weights codec and collective groups of a publication, trainer state files, complete-or-absent
 checkpoints, Hugging Face exports, recorded rollouts, and `rl-async prepare-model`.
 
-Imports: the rooms below it (`base`, `algo`, `observe`, `plan`).
+Imports: `base`, `plan`.
 """

@@ -30,10 +30,6 @@ IMPLS = ("local", "transformer_engine")
 RECOMPUTE = ("none", "selective", "full")
 
 
-def megatron_available() -> bool:
-    return importlib.util.find_spec("megatron.core") is not None
-
-
 def resolve_transformer_impl(requested: str) -> str:
     """train.transformer_impl: "auto" is Transformer Engine when it is importable and a GPU
     is there, else megatron's local attention; an explicit "transformer_engine" without TE

@@ -50,10 +50,8 @@ from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.base.types import Group
-from rl_async.state.weights import bucket_named_tensors, flatten_bucket
 
 # Publication bucket size: large enough for few collectives, small enough to bound the copy.
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 @dataclass
@@ -363,15 +361,6 @@ class TorchTrainer:
             t = p.detach()
             out.append((name, t.to(target) if target is not None else t))
         return out
-
-    def publication_buckets(self, max_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                            dtype: str | torch.dtype | None = None
-                            ) -> list[tuple[Tensor, list[str], list[str], list[list[int]]]]:
-        """The publication tensors as `(flat uint8, names, dtypes, shapes)` buckets in the
-        stable parameter order, encoded with the shared codec `rl_async.state.weights` (the
-        receiver decodes with `rl_async.state.weights.unflatten_bucket`)."""
-        named = self.named_tensors_for_publication(dtype)
-        return [flatten_bucket(b) for b in bucket_named_tensors(named, max_bucket_bytes)]
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike, extra: dict | None = None

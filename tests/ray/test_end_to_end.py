@@ -146,10 +146,9 @@ def test_killing_an_actor_mid_run_ends_in_a_clear_error(ray_cluster, victim, nam
         assert time.monotonic() < deadline, "the run never started"
         time.sleep(0.5)
     ray.kill(ray.get_actor(f"{name}/{victim}"))
-    killed = time.monotonic()
     with pytest.raises(ray.exceptions.RayTaskError) as exc:
         ray.get(ref, timeout=60)
-    assert time.monotonic() - killed < 60
+    # (ray.get above has the 60 s deadline: a run that did not fail in time raised there)
     message = str(exc.value).lower()
     assert named in message and "died" in message, message[-2000:]
     partial = ray.get(controller.failure_summary.remote())
@@ -165,8 +164,10 @@ def test_mixed_policy_refresh_run_loses_nothing(ray_cluster, tmp_path):
     code, summary = run(cfg, report, tmp_path)
     assert code == 0, summary
     assert_ledger_closed(summary)
-    # In-flight requests survive publications: nothing is aborted for an update.
+    # In-flight requests survive publications: nothing is aborted for an update, and some
+    # did cross one (without that, the two lines above would hold for any mode)
     assert summary["ledger"]["aborted_groups"] == 0
+    assert summary["faults"]["refreshed_requests"] > 0, summary["faults"]
 
 
 def test_set_threads_reaches_the_threads_that_compute(ray_cluster):

@@ -147,10 +147,9 @@ def test_engine_deaths_past_the_budget_fail_the_run_within_60s(ray_cluster):
     controller, ref = start(cfg, report)
     wait_for_step(controller, 2)
     os.kill(engine_pid(name, 1), signal.SIGKILL)
-    killed = time.monotonic()
     with pytest.raises(ray.exceptions.RayTaskError) as exc:
         ray.get(ref, timeout=60)
-    assert time.monotonic() - killed < 60
+    # (ray.get above has the 60 s deadline: a run that did not fail in time raised there)
     message = str(exc.value)
     assert "engine-1" in message and "engine.max_restarts = 0" in message, message[-1500:]
     partial = ray.get(controller.failure_summary.remote())

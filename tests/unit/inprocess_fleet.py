@@ -141,10 +141,11 @@ class InProcessFleet:
         await asyncio.sleep(self.rng.uniform(0, 0.002))
         return {"reward": 0.0}
 
-    async def checkpoint(self, step, version):
+    async def checkpoint(self, step, version, progress=None):
         state = self.book.state_dict()  # the ledger first, as RayFleet.checkpoint ...
         await asyncio.sleep(self.rng.uniform(0, 0.002))  # ... then the trainer writes ...
-        self.disk.checkpoints.append({"step": step, "version": version, "ledger": state})
+        self.disk.checkpoints.append({"step": step, "version": version, "ledger": state,
+                                      "progress": progress})
         return f"step_{step}"
 
     async def metrics(self):

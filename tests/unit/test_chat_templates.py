@@ -25,6 +25,7 @@ from rl_async.engine.base import GenerateOutput
 from rl_async.loop.trajectory import TrajectoryLimits, TrajectoryRunner
 from rl_async.state.tokenizers import KNOWN, cached_tokenizer
 from real_model import smollm2_tokenizer
+from test_trajectories import spans
 
 FAMILIES = sorted(KNOWN) + ["smollm2"]
 # Gemma 3's template refuses any role but alternating user/model (validate warns).
@@ -111,16 +112,6 @@ def episodes(draw, family: str):
             text = f"<think>\n{draw(TEXT)}\n</think>\n\n{text}"
         replies.append((text, draw(st.booleans())))
     return first, steps, replies
-
-
-def spans(sample: Sample) -> list[tuple[int, list[int]]]:
-    out: list[tuple[int, list[int]]] = []
-    for t, m in zip(sample.response_ids, sample.loss_mask):
-        if out and out[-1][0] == m:
-            out[-1][1].append(t)
-        else:
-            out.append((m, [t]))
-    return out
 
 
 def play(family: str, episode):
@@ -221,3 +212,53 @@ def test_validate_probes_pass_the_real_templates(family):
     assert bool(warnings) == (family == "gemma3")
     if warnings:
         assert "role 'tool'" in warnings[0] and "gemma3" in warnings[0]
+
+
+@pytest.mark.parametrize("family, model_type", [("qwen3", "qwen3"), ("llama3_1", "llama")])
+def test_a_tiny_random_model_of_the_family_plays_multi_turn_through_the_engine(family,
+                                                                             model_type):
+    """Real sampling (a tiny random model of the architecture over the real vocabulary, so
+    any token can come out, special ones included) through the embedded engine: every
+    trajectory finishes, trained tokens are the engine's, environment turns are masked."""
+    from rl_async.engine.base import SamplingParams
+    from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from rl_async.state.models import tiny_llama_config
+
+    tok = tokenizer(family)
+    renderer = renderer_of(family)
+    config = tiny_llama_config(vocab_size=len(tok), max_position_embeddings=512,
+                               model_type=model_type)
+    if model_type == "qwen3":
+        config["head_dim"] = 16
+    engine = EmbeddedEngine(EmbeddedEngineConfig(hf_config=config, max_running_requests=8,
+                                                 max_total_tokens=8 * 512))
+    first = [{"role": "user", "content": "Count."}]
+    steps = [[{"role": "user", "content": "More."}], [{"role": "tool", "content": "3"}]]
+    outputs: list[list[int]] = []
+
+    async def generate(ids, n, turn):
+        out = await engine.generate(ids, SamplingParams(
+            max_new_tokens=n, temperature=1.0, seed=len(outputs), stop_token_ids=(
+                tok.eos_token_id,)))
+        outputs.append(list(out.output_ids))
+        return out
+
+    async def main():
+        try:
+            results = []
+            for i in range(4):
+                env = Replay(first, steps)
+                sample = Sample(prompt_id=f"p{i}", metadata={"row": {}})
+                results.append((await TrajectoryRunner(env, renderer, TrajectoryLimits(
+                    6, 400, 10.0)).run(sample, generate), sample))
+            return results
+        finally:
+            await engine.close()
+
+    results = asyncio.run(main())
+    sampled = iter(outputs)
+    for result, sample in results:
+        assert result.finish == "done" and result.turns == 3
+        runs = spans(sample)
+        assert [m for m, _ in runs] == [1, 0, 1, 0, 1]
+        assert [ids for m, ids in runs if m] == [next(sampled) for _ in range(3)]

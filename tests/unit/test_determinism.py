@@ -4,6 +4,7 @@ setting, seeded RNGs (it only changed the engines before); off by default."""
 from __future__ import annotations
 
 import os
+import random
 
 import torch
 
@@ -13,7 +14,11 @@ from rl_async.plan.load import load_config
 
 
 def test_deterministic_runs_build_their_trainer_with_deterministic_kernels(monkeypatch):
-    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    # what the trainer sets process-wide is put back for the tests after this one
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", "")  # registers the undo (absent -> absent)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    rng = (random.getstate(), torch.get_rng_state())
     try:
         cfg = load_config("cluster_configs/dev.toml", ["run.deterministic=true"])
         build_trainer(cfg, validate(cfg).plan, 0, 1)
@@ -24,6 +29,9 @@ def test_deterministic_runs_build_their_trainer_with_deterministic_kernels(monke
         assert torch.equal(torch.rand(3), first)  # seeded from model.init_seed
     finally:
         torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
+        random.setstate(rng[0])
+        torch.set_rng_state(rng[1])
 
 
 def test_the_default_leaves_kernels_alone(monkeypatch):

@@ -131,3 +131,49 @@ def test_a_replacement_lost_inside_its_own_catch_up_is_replaced_again(monkeypatc
         assert 0 not in fleet.down and fleet.caught_up == 2
 
     asyncio.run(main())
+
+
+def test_an_engine_whose_loop_answers_but_whose_forward_hangs_is_restarted():
+    """The probe answers (the actor's event loop is free) while requests make no progress:
+    the supervisor reads seconds_without_progress and replaces the engine all the same."""
+    cfg = load_config("cluster_configs/local.toml", ["engine.health_check_timeout_s=10"])
+
+    async def main():
+        fleet = FakeFleet(cfg)
+        stuck = fleet.engines[2]
+
+        async def stalled_health():
+            return {"seconds_without_progress": 11.0}
+        stuck.health = Call(stalled_health)
+        supervisor = sup.EngineSupervisor(fleet)
+        return await supervisor._probe(2), await supervisor._probe(0)
+
+    stalled, dead = asyncio.run(main())
+    assert stalled == "requests made no decode progress for 11 s"
+    assert "exited with code -9" in dead
+
+
+def test_the_embedded_engine_reports_a_hung_forward_while_its_loop_answers():
+    import threading
+
+    from test_engine_embedded import make_engine
+
+    from rl_async.engine.base import SamplingParams
+
+    async def main():
+        engine = make_engine()
+        release = threading.Event()
+        compute = engine._compute
+        engine._compute = lambda admitted: (release.wait(30), compute(admitted))[1]
+        task = asyncio.ensure_future(engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4)))
+        await asyncio.sleep(0.5)
+        stalled = engine.seconds_without_progress()  # asked on the loop: it answers
+        release.set()
+        out = await task
+        after = engine.seconds_without_progress()
+        await engine.close()
+        return stalled, out, after
+
+    stalled, out, after = asyncio.run(main())
+    assert stalled >= 0.4  # the hung forward shows as time without progress ...
+    assert len(out.output_ids) == 4 and after == 0.0  # ... and idle again after it finished

@@ -21,6 +21,7 @@ from rl_async.loop.gateway import Gateway
 from rl_async.loop.trajectory import TrajectoryLimits
 from real_model import smollm2_tokenizer
 from test_chat_templates import tokenizer as family_tokenizer
+from test_gateway import run
 from test_trajectories import ScriptedEngine, spans
 
 ROW = {"id": "r1", "question": "What is 6 + 5?"}
@@ -41,14 +42,7 @@ def run_agent(env, tok, engine, limits=None, gateway=None):
     gateway = gateway or Gateway("policy", tok)
     runner = AgentRunner(env, ChatRenderer(tok, (tok.eos_token_id,)),
                          limits or TrajectoryLimits(64, None, 10.0), gateway)
-    sample = Sample(prompt_id="r1", metadata={"row": ROW, "where": "rows.jsonl:1"})
-
-    async def go():
-        try:
-            return await runner.run(sample, engine)
-        finally:
-            await gateway.stop()
-    return sample, asyncio.run(go())
+    return run(runner, engine, gateway, ROW)
 
 
 class Bare:

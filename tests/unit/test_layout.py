@@ -3,6 +3,7 @@ itself), nothing in rl_async imports the actors, the launcher or Ray, and the pa
 holds only `__init__.py` and the rooms."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def violations(root: Path = ROOT) -> list[str]:
                 continue
             target = parts[1]
             if target not in FLOOR:
-                continue  # a name re-exported at the package root, checked below
+                continue  # a name re-exported at the package root: its own test below
             if FLOOR[target] >= FLOOR[room]:
                 out.append(f"{rel}:{line} imports {module} ({room} is on floor "
                            f"{FLOOR[room]}, {target} on floor {FLOOR[target]})")
@@ -74,10 +75,41 @@ def test_no_room_imports_a_room_above_it():
     assert violations() == []
 
 
-def test_every_room_says_what_lives_there_and_what_it_may_import():
-    for room in FLOOR:
-        doc = ast.get_docstring(ast.parse((ROOT / room / "__init__.py").read_text()))
-        assert doc and "Imports" in doc, f"rl_async/{room}/__init__.py needs a docstring"
+def rooms_imported(room: str, root: Path = ROOT) -> set[str]:
+    """The other rooms a room's files import."""
+    used = set()
+    for path in (root / room).rglob("*.py"):
+        for _, module in _imports(path):
+            parts = module.split(".")
+            if parts[0] == "rl_async" and len(parts) > 1 and parts[1] in FLOOR \
+                    and parts[1] != room:
+                used.add(parts[1])
+    return used
+
+
+def rooms_declared(room: str, root: Path = ROOT) -> set[str]:
+    """The rooms named (in backticks) in the `Imports:` paragraph of a room's docstring."""
+    doc = ast.get_docstring(ast.parse((root / room / "__init__.py").read_text())) or ""
+    assert "Imports:" in doc, f"rl_async/{room}/__init__.py needs an `Imports:` paragraph"
+    paragraph = doc.split("Imports:", 1)[1].split("\n\n")[0]
+    return {word for word in re.findall(r"`([a-z_]+)`", paragraph) if word in FLOOR}
+
+
+@pytest.mark.parametrize("room", sorted(FLOOR))
+def test_every_room_says_exactly_which_rooms_it_imports(room):
+    assert rooms_declared(room) == rooms_imported(room), (
+        f"rl_async/{room}/__init__.py's `Imports:` names {sorted(rooms_declared(room))}, its "
+        f"files import {sorted(rooms_imported(room))}: make the docstring say what is true")
+
+
+def test_a_room_imports_names_from_their_own_room_not_the_package_root():
+    """`from rl_async import CompletedBuffer` inside a room hides which room it reaches into
+    (the floors check cannot see it): rooms import from the module that defines a name."""
+    found = [f"{p.relative_to(ROOT)}:{line} imports {module}"
+             for p in sorted(ROOT.rglob("*.py")) if len(p.relative_to(ROOT).parts) > 1
+             for line, module in _imports(p)
+             if module.startswith("rl_async.") and module.split(".")[1] not in FLOOR]
+    assert found == []
 
 
 def test_an_upward_import_is_caught(tmp_path):

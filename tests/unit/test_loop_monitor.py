@@ -14,7 +14,7 @@ def test_a_blocked_loop_shows_lag_and_busy_time_an_idle_one_does_not():
         mon.ensure_started()
         await asyncio.sleep(0.1)
         idle = mon.metrics("x")
-        end = time.monotonic() + 0.2
+        end = time.monotonic() + 0.5
         while time.monotonic() < end:  # hog the loop thread: one long block
             pass
         await asyncio.sleep(0.05)
@@ -23,7 +23,10 @@ def test_a_blocked_loop_shows_lag_and_busy_time_an_idle_one_does_not():
         return idle, busy
 
     idle, busy = asyncio.run(main())
-    assert busy["x/loop_lag_max_s"] >= 0.15 > idle["x/loop_lag_max_s"]
+    # the block shows as lag of at least its length; no bound on the idle lag itself (a
+    # loaded machine delays an idle loop too)
+    lag, idle_lag = busy["x/loop_lag_max_s"], idle["x/loop_lag_max_s"]
+    assert lag >= 0.45 and lag > idle_lag
     assert busy["x/busy_fraction"] > idle["x/busy_fraction"]
     assert set(idle) == {"x/loop_lag_mean_s", "x/loop_lag_max_s", "x/busy_fraction"}
 

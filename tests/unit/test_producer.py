@@ -71,6 +71,15 @@ class World:
                         group_errors=(EngineError, RewardError), **kw)
 
 
+async def until(condition, timeout_s: float = 30.0):
+    """Wait for a condition (a deadline, not a timing assertion: a loaded machine is slow)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within {timeout_s} s")
+
+
 async def run_for(producer, seconds):
     task = asyncio.create_task(producer.run())
     await asyncio.sleep(seconds)
@@ -106,14 +115,14 @@ def test_full_buffer_blocks_new_submissions():
     async def main():
         w = World(group_size=2, buffer_room=2)
         p = w.producer("sample", budget=4, http=100)
-        task = await run_for(p, 0.2)
+        task = await run_for(p, 0.0)
+        await until(lambda: len(w.buffer) == 2)
         opened = len(w.opened)
         await asyncio.sleep(0.1)
         # Buffer full: one completed group waits for room; no new group opened meanwhile.
         assert len(w.buffer) == 2 and len(w.opened) == opened <= 4
         await w.take(2)
-        await asyncio.sleep(0.1)
-        assert len(w.opened) > opened
+        await until(lambda: len(w.opened) > opened)
         p.stop()
         await w.take(100)
         await task

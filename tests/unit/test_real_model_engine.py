@@ -9,7 +9,8 @@ import torch
 from rl_async.plan.load import load_config
 from rl_async.engine.base import SamplingParams
 from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
-from rl_async.algo.tasks import answer_match_reward, build_prompts, load_tokenizer, stop_token_ids
+from rl_async.algo.stop_ids import stop_token_ids
+from rl_async.algo.tasks import answer_match_reward, build_prompts, load_tokenizer
 from rl_async.base.types import Sample
 from real_model import smollm2_dir
 

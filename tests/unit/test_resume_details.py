@@ -115,3 +115,41 @@ def test_a_torn_last_line_of_the_trained_log_is_dropped_and_a_torn_middle_one_is
     log.write_text('{"step": 1}\n{"ste\n{"step": 3}\n')
     with pytest.raises(ckpts.ResumeError, match=r"trained.jsonl:2: not valid JSON"):
         ckpts.read_trained(log)
+
+
+def test_a_resumed_runs_summary_counts_the_whole_run():
+    """Steps and the ledger were cumulative after a resume, but time, throughput, the eval
+    curve and the non-finite count started again at zero: the checkpoint now keeps them."""
+    import asyncio
+
+    from inprocess_fleet import Disk, InProcessFleet
+
+    from rl_async.loop.controller import Controller
+    from rl_async.plan.capacity import plan_capacity
+    from rl_async.plan.load import load_config
+
+    def config(steps):
+        return load_config("cluster_configs/dev.toml", [
+            f"run.max_steps={steps}", "rollout.rollout_batch_size=2",
+            "rollout.n_samples_per_prompt=2", "train.global_batch_size=4",
+            "train.micro_batch_size=4", "sglang.max_running_requests=2", "eval.every_steps=2",
+            "run.checkpoint_every=2", "wandb.mode=disabled"])
+
+    cfg = config(4)
+    plan = plan_capacity(cfg)[0]
+    disk = Disk()
+    first = asyncio.run(Controller(cfg, plan, InProcessFleet(cfg, plan, disk, 0),
+                                   lambda m, s: None).run())
+    saved = disk.checkpoints[-1]
+    longer = config(8)
+    resume = {"step": saved["step"], "version": saved["version"], "ledger": saved["ledger"]}
+    second = asyncio.run(Controller(longer, plan, InProcessFleet(longer, plan, disk, 1, resume),
+                                    lambda m, s: None, start_step=saved["step"],
+                                    start_version=saved["version"],
+                                    resumed=saved["progress"]).run())
+    assert second["steps"] == 8
+    assert second["throughput"]["trained_samples"] == 8 * 4  # not only the 4 resumed steps
+    assert second["eval"]["curve"][:len(first["eval"]["curve"])] == first["eval"]["curve"]
+    assert second["eval"]["initial_reward"] == first["eval"]["initial_reward"]
+    assert second["wall_seconds"] >= saved["progress"]["wall_seconds"]
+    assert second["eval"]["curve"][-1][1] >= first["eval"]["curve"][-1][1]

@@ -33,12 +33,12 @@ def test_the_stop_set_unites_configs_tokenizer_eos_and_turn_end_markers(tmp_path
 
 
 def test_rollouts_stop_at_the_tokenizers_turn_end_markers_as_sglang_does(tmp_path):
-    """rl_async.algo.tasks.stop_token_ids (what every engine is asked to stop at) includes
+    """rl_async.algo.stop_ids.stop_token_ids (what every engine is asked to stop at) includes
     the markers SGLang adds from the tokenizer, so the embedded engine stops where SGLang
     stops on the same checkpoint."""
     import types
 
-    from rl_async.algo.tasks import stop_token_ids
+    from rl_async.algo.stop_ids import stop_token_ids
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
                                                        "eos_token_id": 2}))

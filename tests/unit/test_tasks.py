@@ -5,9 +5,9 @@ import json
 import pytest
 
 from rl_async.plan.load import resolve
+from rl_async.algo.stop_ids import stop_token_ids
 from rl_async.algo.tasks import (BOS, DIGIT0, EOS, DatasetError, PromptSource, answer_match_reward,
-                            final_answer, load_jsonl, stop_token_ids, successor_prompts,
-                            successor_reward)
+                            final_answer, load_jsonl, successor_prompts, successor_reward)
 from rl_async.base.types import Sample
 
 
@@ -98,3 +98,22 @@ def test_stop_tokens_default_to_the_task_eos_or_the_setting():
     cfg = resolve({"model": {"hf_config": {"model_type": "llama"}},
                    "rollout": {"stop_token_ids": [7, 9]}})
     assert stop_token_ids(cfg) == (7, 9)
+
+
+def test_stop_tokens_unite_config_generation_config_and_tokenizer(tmp_path):
+    """Chat models often name their turn terminator only in generation_config.json (Gemma's
+    <end_of_turn>): without it a turn would never stop."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "eos_token_id": 1}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 107]}))
+    cfg = resolve({"model": {"path": str(tmp_path)}, "task": {"name": "jsonl"}})
+    assert stop_token_ids(cfg) == (1, 107)
+
+    class Tok:
+        eos_token_id = 106
+
+        def get_added_vocab(self):
+            return {"<eos>": 1}
+
+    assert stop_token_ids(cfg, Tok()) == (1, 107, 106)

@@ -11,7 +11,8 @@ from rl_async.algo.loss import policy_loss
 from rl_async.state.models import build_causal_lm
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 from rl_async.base.types import Group, Sample
-from rl_async.state.weights import unflatten_bucket, weights_checksum
+from rl_async.state.weights import (bucket_named_tensors, flatten_bucket, unflatten_bucket,
+                                    weights_checksum)
 
 torch.set_num_threads(1)
 
@@ -240,7 +241,8 @@ def test_publication_names_order_and_buckets():
     hf_names = [n for n, _ in build_causal_lm(TINY, None, 0, "float32").named_parameters()]
     assert [n for n, _ in named] == hf_names
     assert all(not t.requires_grad for _, t in named)
-    buckets = trainer.publication_buckets(max_bucket_bytes=8192)
+    # the codec the sender uses (rl_async/state/weights.py), on the trainer's tensors
+    buckets = [flatten_bucket(b) for b in bucket_named_tensors(named, 8192)]
     assert len(buckets) > 1
     rebuilt = [pair for b in buckets for pair in unflatten_bucket(*b)]
     assert [n for n, _ in rebuilt] == hf_names
