@@ -26,6 +26,8 @@ from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
 from rl_async.loop.progress import Progress, orchestration_metrics
+from rl_async.loop.run_summary import run_summary
+from rl_async.observe.offpolicy import OffPolicyStats
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
@@ -79,9 +81,10 @@ class Controller:
         self.progress = Progress(step=start_step, version=start_version)
         # What `rl-async simulate --calibrate` reads back from the summary.
         self.calibration = CalibrationStats()
+        self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
-        self._start = 0.0
+        self.started = 0.0
         # Set by a graceful stop request: finish the current collection, drain, summarise.
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
@@ -94,7 +97,7 @@ class Controller:
         self._loop_s = 0.0  # collection + training + publication seconds, evaluations out
 
     async def run(self) -> dict[str, Any]:
-        self._start = clock.now()
+        self.started = clock.now()
         p = self.progress
         p.phase = "eval"
         p.initial_eval = await self._evaluate()
@@ -169,6 +172,7 @@ class Controller:
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
         self.calibration.observe_metrics(metrics)
+        self.offpolicy.observe(metrics)
         self._loop_s += clock.now() - wait_start
         if self.threads is not None:
             await self._balance_threads(metrics)
@@ -246,7 +250,7 @@ class Controller:
         p.staleness_groups += len(ages)
         p.trainer_wait_seconds += wait
         p.useful_tokens += tokens
-        elapsed = max(1e-9, clock.now() - self._start)
+        elapsed = max(1e-9, clock.now() - self.started)
         return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
                 "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
@@ -350,7 +354,7 @@ class Controller:
                             f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
                             f"each stage holds: {await self.fleet.diagnosis()}") from None
         seconds = clock.now() - start
-        wall = clock.now() - self._start
+        wall = clock.now() - self.started
         self.calibration.observe_eval(seconds)
         p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
         p.eval_first = p.eval_first or dict(result)
@@ -376,28 +380,4 @@ class Controller:
         await self.fleet.producer_stop()
 
     async def summary(self) -> dict[str, Any]:
-        p = self.progress
-        wall = clock.now() - self._start
-        return {
-            "run": {"name": self.cfg.run.name, "seed": self.cfg.run.seed,
-                    "mode": "async" if self.cfg.fully_async else "sync",
-                    "max_weight_staleness": self.plan.max_weight_staleness},
-            "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
-            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval,
-                     **{k: v for k, v in p.eval_last.items() if k != "reward"},
-                     "initial": p.eval_first, "curve": p.eval_curve},
-            "ledger": await self.fleet.ledger(),
-            "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
-            "rollout": await self.fleet.rollout(),
-            "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
-            "staleness": {"max_delivered": p.max_staleness,
-                          "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
-                          "max_weight_staleness": self.plan.max_weight_staleness},
-            "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
-                           "trained_samples": p.trained_samples,
-                           "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
-            "threads": self.threads.summary() if self.threads is not None else None,
-            "calibration": self.calibration.to_dict(
-                wall, self.plan.engines, self.plan.max_running_requests,
-                self.cfg.rollout.max_response_len, self.plan.producer_samples),
-        }
+        return await run_summary(self)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, model_validator
 
 # The workload sections ([task], [reward], [eval], [filter], [judge]) live in config_workload.
+from rl_async.algo.corrections import corrections_from
 from rl_async.plan.config_base import Section
 from rl_async.plan.config_workload import (EvalSection, FilterSection, JudgeSection,
                                            RewardSection, TaskSection)
@@ -201,6 +202,17 @@ class TrainSection(Section):
     use_tis: bool = True
     tis_clip: PositiveFloat = 2.0
     tis_clip_low: float = Field(0.0, ge=0)
+    # The objective and the behaviour-gap mask (rl_async/algo/corrections.py, which
+    # validates them and holds each mask's default bounds).
+    policy_loss: Literal["ppo_tis", "cispo", "gspo", "m2po", "decoupled_ppo"] = "ppo_tis"
+    is_mask: Literal["none", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
+    is_mask_low: float | None = Field(None, ge=0)
+    is_mask_high: float | None = Field(None, ge=0)
+    gspo_eps_low: float = Field(3e-4, ge=0, lt=1)
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    cispo_ratio_low: float = Field(0.0, ge=0)
+    cispo_ratio_high: PositiveFloat = 4.0
+    m2po_tau: PositiveFloat = 0.04
     use_rollout_logprobs: bool = False
     advantage: Literal["group_norm", "mean_only"] = "group_norm"
     tensor_parallel: PositiveInt = 1
@@ -221,6 +233,11 @@ class TrainSection(Section):
     # An update with a non-finite gradient norm is skipped; more than this many in a row
     # stop the run naming the step and the quantity (rl_async/train/guard.py).
     max_nonfinite_updates: int = Field(3, ge=0)
+
+    @model_validator(mode="after")
+    def _corrections(self) -> "TrainSection":
+        corrections_from(self)  # the mask's bounds against its defaults; errors name the keys
+        return self
 
 
 class AsyncSection(Section):

@@ -206,6 +206,20 @@ KEYS: dict[str, Doc] = {
                          rule="must be on in async runs"),
     "train.tis_clip": Doc("TIS weight ceiling"),
     "train.tis_clip_low": Doc("TIS weight floor"),
+    "train.policy_loss": Doc("the objective: 'ppo_tis' (PPO-clip x TIS), 'decoupled_ppo' "
+                             "(untruncated weight), 'gspo' (sequence ratio), 'cispo' (clipped "
+                             "weight as coefficient), 'm2po' (second-moment mask)"),
+    "train.is_mask": Doc("behaviour-gap mask: 'none', 'token_mis', 'seq_mis', 'icepop', "
+                         "'geo_rs' (docs/algorithm.md)"),
+    "train.is_mask_low": Doc("the mask's lower bound on the ratio; unset = the mask's default",
+                             "ratio", "<= is_mask_high"),
+    "train.is_mask_high": Doc("the mask's upper bound on the ratio; unset = the mask's default",
+                              "ratio"),
+    "train.gspo_eps_low": Doc("GSPO sequence clip below 1", rule="< 1"),
+    "train.gspo_eps_high": Doc("GSPO sequence clip above 1"),
+    "train.cispo_ratio_low": Doc("CISPO weight floor", "ratio", "<= cispo_ratio_high"),
+    "train.cispo_ratio_high": Doc("CISPO weight ceiling", "ratio"),
+    "train.m2po_tau": Doc("M2PO: mean (log ratio)^2 the kept tokens may reach"),
     "train.use_rollout_logprobs": Doc("use the engine's log-probs as the PPO anchor instead of "
                                       "the trainer's", rule="refused with mixed_policy"),
     "train.advantage": Doc("'group_norm' ((r - mean) / std in the group) or 'mean_only' "
