@@ -172,6 +172,8 @@ class CompletedBuffer:
         if self._on_insert is not None:
             self._on_insert(group)
         self._keys.add(key)
+        # engines never run ahead of the trainer; max() only guards a version not yet told
+        group.version_at_insert = max(self._version, group.newest_version() or 0)
         self._insert(group, next(self._seq))
         self._metrics.record_entered()
         self._getters.wake_all()

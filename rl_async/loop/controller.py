@@ -28,6 +28,7 @@ from rl_async.loop.faults import quote
 from rl_async.loop.progress import Progress, orchestration_metrics
 from rl_async.loop.run_summary import run_summary
 from rl_async.observe.offpolicy import OffPolicyStats
+from rl_async.observe.staleness import StalenessSplit
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
@@ -82,6 +83,7 @@ class Controller:
         # What `rl-async simulate --calibrate` reads back from the summary.
         self.calibration = CalibrationStats()
         self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
+        self.staleness = StalenessSplit()
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
         self.started = 0.0
@@ -148,6 +150,9 @@ class Controller:
         if "trainer/threads" in train_metrics:  # CPU trainers report theirs (replay uses it)
             info["trainer_threads"] = int(train_metrics["trainer/threads"])
         await self.fleet.record_trained(p.step, trained_at, groups, info)
+        # The buffer stamps each arriving group with the trainer's version (the in-flight /
+        # in-queue split of its age): tell it the new one now, not at the next get.
+        await self.fleet.buffer_set_version(self.version)
         pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
@@ -251,7 +256,8 @@ class Controller:
         p.trainer_wait_seconds += wait
         p.useful_tokens += tokens
         elapsed = max(1e-9, clock.now() - self.started)
-        return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
+        return {**self.staleness.observe(groups),
+                "rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
                 "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
                 "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
                 "policy/version": float(self.version)}
