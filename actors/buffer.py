@@ -12,6 +12,7 @@ from __future__ import annotations
 import ray
 
 from actors.prompt_source import ref_of
+from rl_async.loop.admission import admission_for
 from rl_async.loop.buffer import CompletedBuffer
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.loop.monitor import LoopMonitor
@@ -35,7 +36,8 @@ class BufferActor:
             overflow=a.buffer_overflow,
             on_discard=lambda g, reason: self._tell("record_buffer_discard", ref_of(g), reason),
             on_insert=lambda g: self._tell("mark_buffered", ref_of(g)),
-            on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]))
+            on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]),
+            admission=admission_for(plan))
 
     def _tell(self, method: str, *args) -> None:
         self._ops.append((method, args))
@@ -76,9 +78,19 @@ class BufferActor:
         await self._acked()
         return groups
 
-    async def set_version(self, version: int) -> None:
-        self.buffer.set_version(version)
+    async def set_version(self, version: int, engine_version: int | None = None) -> None:
+        self.buffer.set_version(version, engine_version)
         await self._acked()  # stale evictions at the new version
+
+    async def admit(self, n_groups: int) -> int:
+        """Staleness bound tickets for the producer (rl_async/loop/admission.py)."""
+        return await self.buffer.admit(n_groups)
+
+    def release(self, n_groups: int) -> None:
+        self.buffer.release(n_groups)
+
+    def admission(self) -> dict:
+        return self.buffer.admission.bound.to_dict() if self.buffer.admission else {}
 
     def reserve(self, n_groups: int) -> None:
         """Lifecycle drains: room for the groups the producer owns (0 = release)."""

@@ -87,6 +87,9 @@ class ProducerActor:
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
             seed=cfg.run.seed, trajectory=self.trajectory,
+            **({"admit": self._call(buffer, "completed buffer", "admit"),
+                "release": self._call(buffer, "completed buffer", "release")}
+               if plan.staleness_bound == "admission" else {}),
             **({"filter_group": zero_variance,
                 "on_filtered": lambda g, reason: self._call(source, "prompt source",
                                                             "mark_filtered")(ref_of(g), reason)}

@@ -46,7 +46,8 @@ class Fleet(PublicationOps, Protocol):
     async def producer_wait_idle(self, timeout_s: float) -> bool: ...
     async def producer_stop(self) -> None: ...
     async def get_groups(self, n: int, version: int) -> list[Group]: ...
-    async def buffer_set_version(self, version: int) -> None: ...
+    async def buffer_set_version(self, version: int,
+                                 engine_version: int | None = None) -> None: ...
     async def buffer_reserve(self, n_groups: int) -> None: ...
     async def producer_groups_owned(self) -> int: ...
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
@@ -173,6 +174,7 @@ class Controller:
                    "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
         metrics.update(self._collection_metrics(groups, wait))
         self._count_discards(metrics)
+        p.length_ks = metrics.get("rollout/length_ks", p.length_ks)
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
@@ -238,8 +240,9 @@ class Controller:
             return {}
         result = await task
         # The buffer judges ages against the trainer's latest version, which a skipped
-        # publication (publication.every_updates) leaves ahead of the one that just landed.
-        await self.fleet.buffer_set_version(self.version)
+        # publication (publication.every_updates) leaves ahead of the one that just landed;
+        # the engines now hold the published one (the admission bound's floor).
+        await self.fleet.buffer_set_version(self.version, self._published)
         return result.metrics()
 
     def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:

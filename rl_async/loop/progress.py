@@ -29,6 +29,7 @@ class Progress:
     staleness_sum: int = 0
     staleness_groups: int = 0
     nonfinite_updates: int = 0  # skipped by the trainer (rl_async/train/guard.py)
+    length_ks: float = 0.0  # rollout/length_ks as last reported (the run so far)
     phase: str = "starting"
     bound: str = ""  # which side bounds the loop, once measured (rl_async/loop/threads.py)
 

@@ -52,6 +52,11 @@ class CapacityPlan:
     submission_granularity: str
     rollout_batch_size: int
     fully_async: bool
+    # "admission" (async runs with a lag) or "dequeue", and the admission bound's horizon:
+    # groups the trainer may have ahead of it (taken, buffered, in flight) while the engines
+    # hold its version, rollout_batch_size x (floor(lag / updates per collection) + 1).
+    staleness_bound: str = "dequeue"
+    admission_horizon_groups: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,8 +133,21 @@ def plan_capacity(cfg: RunConfig) -> tuple[CapacityPlan, list[Warning_], list[st
         global_batch_size=gbs, optimizer_steps_per_collection=max(steps, 0),
         submission_granularity=cfg.async_.rollout_submission_granularity,
         rollout_batch_size=rbs, fully_async=cfg.fully_async)
+    plan = _with_staleness_bound(cfg, plan)
     warnings += capacity_warnings(plan)
     return plan, warnings, errors
+
+
+def _with_staleness_bound(cfg: RunConfig, plan: CapacityPlan) -> CapacityPlan:
+    """async.staleness_bound resolved: admission needs an async run that may run ahead
+    (lag >= 1); sync runs and lag 0 open one collection per version instead."""
+    lag, steps = plan.max_weight_staleness, plan.optimizer_steps_per_collection
+    if not (cfg.async_.staleness_bound == "admission" and plan.fully_async and lag >= 1
+            and steps >= 1):
+        return plan
+    return dataclasses.replace(plan, staleness_bound="admission",
+                               admission_horizon_groups=plan.rollout_batch_size
+                               * (lag // steps + 1))
 
 
 def capacity_warnings(p: CapacityPlan) -> list[Warning_]:

@@ -246,6 +246,10 @@ class AsyncSection(Section):
     async_data_buffer_capacity_factor: float = Field(1.0, ge=0)
     rollout_submission_granularity: Literal["group", "sample"] = "sample"
     max_weight_staleness: int | None = Field(None, ge=0)
+    # Where the lag is enforced: "admission" opens no group that would be older than the
+    # lag when the trainer reaches it (rl_async/loop/admission.py; the dequeue filter stays
+    # as a fallback); "dequeue" discards and regenerates groups found too old.
+    staleness_bound: Literal["admission", "dequeue"] = "dequeue"
     buffer_order: Literal["fifo", "lifo"] = "fifo"
     buffer_overflow: Literal["block", "evict"] = "block"
     unused_samples_handler: Literal["retry", "drop"] = "retry"

@@ -258,6 +258,10 @@ KEYS: dict[str, Doc] = {
     "async.max_weight_staleness": Doc(_LAG + "; unset = 6 (fully async) or 0",
                                       "versions", "max_weight_staleness; "
                                       "BUFFER_EXCEEDS_AGE_BUDGET, RETAINED_EXCEEDS_LAG"),
+    "async.staleness_bound": Doc("'admission' opens no group that would exceed the lag when "
+                                 "trained (the dequeue filter stays as a fallback); "
+                                 "'dequeue' discards and regenerates old groups",
+                                 rule="admission_horizon_groups; async runs with a lag >= 1"),
     "async.buffer_order": Doc("'fifo' trains the oldest completed group first, 'lifo' the "
                               "newest"),
     "async.buffer_overflow": Doc("full buffer: 'block' new submissions, or 'evict' the "

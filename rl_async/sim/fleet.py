@@ -37,6 +37,7 @@ from rl_async.engine.base import GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
 from rl_async.engine.timing import bucket_sizes
+from rl_async.loop.admission import admission_calls, admission_for
 from rl_async.loop.ledger import PromptLedger
 from rl_async.loop.producer import Producer, ProducerLimits
 from rl_async.observe.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
@@ -158,7 +159,8 @@ class SimFleet:
         self.buffer = CompletedBuffer(
             plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
             overflow=a.buffer_overflow, on_discard=self._on_discard,
-            on_insert=self.book.mark_buffered, on_deliver=self._on_deliver)
+            on_insert=self.book.mark_buffered, on_deliver=self._on_deliver,
+            admission=admission_for(plan))
         trajectory = None if timings.turns is None else SimTrajectory(
             timings.turns, self.rng, r.max_response_len, r.max_trajectory_tokens)
         self.producer = Producer(
@@ -166,7 +168,8 @@ class SimFleet:
                            plan.http_slots),
             next_group=self._next_group, generate=self._generate, score=self._score,
             put=self._put, on_aborted=self._on_aborted, on_failed=self._on_failed,
-            next_groups=self._next_groups, trajectory=trajectory)
+            next_groups=self._next_groups, trajectory=trajectory,
+            **admission_calls(self.buffer))
         self.trained_samples = 0
         self.eval_seconds = 0.0
         self.publications = 0
@@ -264,9 +267,9 @@ class SimFleet:
             await asyncio.sleep(self.timings.collection_transport_s)
         return groups
 
-    async def buffer_set_version(self, version: int) -> None:
+    async def buffer_set_version(self, version: int, engine_version: int | None = None) -> None:
         await self._control()
-        self.buffer.set_version(version)
+        self.buffer.set_version(version, engine_version)
         await self._control()
 
     async def buffer_reserve(self, n_groups: int) -> None:

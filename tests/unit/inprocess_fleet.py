@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from rl_async.loop.buffer import CompletedBuffer
 from rl_async.engine.base import GenerateOutput
+from rl_async.loop.admission import admission_calls, admission_for
 from rl_async.loop.ledger import PromptLedger
+from rl_async.observe.queue_metrics import with_prefix
 from rl_async.loop.producer import Producer, ProducerLimits
 from rl_async.base.types import Group, Sample
 
@@ -69,8 +71,9 @@ class InProcessFleet:
             disk.trim(resume["step"])
         self.engine = FakeEngine(self.rng, version)
         self.buffer = CompletedBuffer(plan.completed_buffer_groups, plan.max_weight_staleness,
-                                      **self.book.buffer_callbacks())
-        self.buffer.set_version(version)
+                                      **self.book.buffer_callbacks(),
+                                      admission=admission_for(plan))
+        self.buffer.set_version(version, version)  # the engines start on it
 
         async def aborted(g):
             self.book.mark_aborted(g, "publication or shutdown")
@@ -89,7 +92,8 @@ class InProcessFleet:
             ProducerLimits(plan.submission_granularity, plan.producer_samples, n,
                            plan.http_slots),
             next_group=next_group, generate=self.engine.generate, score=score,
-            put=self.buffer.put, on_aborted=aborted, on_failed=failed)
+            put=self.buffer.put, on_aborted=aborted, on_failed=failed,
+            **admission_calls(self.buffer))
 
     # ---- Fleet -------------------------------------------------------------------------------
     async def producer_task(self):
@@ -117,8 +121,8 @@ class InProcessFleet:
     async def get_groups(self, n, version):
         return await self.buffer.get(n, version)
 
-    async def buffer_set_version(self, version):
-        self.buffer.set_version(version)
+    async def buffer_set_version(self, version, engine_version=None):
+        self.buffer.set_version(version, engine_version)
 
     async def buffer_reserve(self, n_groups):
         if self.buffer.reserved:
@@ -148,7 +152,7 @@ class InProcessFleet:
         return f"step_{step}"
 
     async def metrics(self):
-        return {}
+        return with_prefix(self.buffer.metrics())
 
     async def ledger(self):
         return self.book.counts()

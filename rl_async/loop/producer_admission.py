@@ -1,0 +1,130 @@
+"""How the producer opens groups (split out of loop/producer.py): the admission gate (paused
+for drains), the synchronous-mode target, a full buffer holding back new groups, batched
+fetches from the prompt source, and the staleness bound's tickets.
+
+    wait: gate open, no put waiting for room, target not reached
+      -> tickets (async.staleness_bound = "admission": the completed buffer grants only
+         groups that fit the lag when the trainer reaches them; loop/admission.py)
+      -> fetch that many groups from the prompt source (counted in flight from here)
+
+Tickets are taken before a group counts as in flight, so a drain that pauses admission
+never waits for a producer parked on the bound; tickets not used (a paused gate, a short
+fetch) and those of groups that end without insertion (filtered, aborted, failed) are
+given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Awaitable, Callable
+
+from rl_async.loop.producer_types import OpenGroup
+
+
+class AdmissionMixin:
+    """Producer methods that open groups; the state lives on the Producer."""
+
+    _admit: Callable[[int], Awaitable[int]] | None
+    _release: Callable[[int], Awaitable[None]] | None
+
+    def pause_admission(self) -> None:
+        """Lifecycle drain: open no new group. Groups already opened still finish (their
+        remaining siblings are submitted), so `wait_idle()` ends with nothing owned."""
+        self._gate.clear()
+
+    def resume_admission(self) -> None:
+        self._gate.set()
+
+    def set_target(self, groups: float) -> None:
+        """Synchronous mode: insert exactly this many more groups than every earlier target
+        asked for, then stop submitting. Cumulative, not relative to `inserted_groups`: the
+        controller may ask for the next collection before this producer has seen the reply
+        to the last put of the previous one."""
+        base = self._target if math.isfinite(self._target) else self.stats.inserted_groups
+        self._target = base + groups
+
+    async def _wait_admissible(self) -> bool:
+        """Gate open, no completed group waiting for buffer room, sync target not reached."""
+        while True:
+            await self._gate.wait()
+            await self._no_pending_put.wait()
+            if self._stopped or self._fatal is not None:
+                return False
+            if not self._gate.is_set():  # paused while waiting for buffer room
+                continue
+            if self.stats.inserted_groups + self._groups_in_flight < self._target:
+                return True
+            await asyncio.sleep(0.01)
+
+    async def _tickets(self, want: int) -> int:
+        """Up to `want` admissions the staleness bound allows (waiting for one); 0 when the
+        producer stopped or its gate closed meanwhile (what was granted goes back)."""
+        if self._admit is None:
+            return want
+        call = asyncio.ensure_future(self._admit(want))
+        woken = asyncio.ensure_future(self._woken.wait())
+        try:
+            await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        if not call.done():  # stopped or failed while parked on the bound
+            call.cancel()
+            return 0
+        granted = call.result()
+        if self._stopped or self._fatal is not None or not self._gate.is_set():
+            await self._give_back(granted)
+            return 0
+        return granted
+
+    async def _give_back(self, n: int) -> None:
+        if n and self._release is not None:
+            await self._release(n)
+
+    async def _open_group(self) -> OpenGroup | None:
+        if self._ready:  # fetched earlier, already owned: runs even while admission pauses
+            return self._ready.popleft()
+        while True:
+            if not await self._wait_admissible():
+                return None
+            granted = await self._tickets(self._fetch_count(counted=False))
+            if granted:
+                break
+            if self._stopped or self._fatal is not None:
+                return None
+        # Counted before the fetch: the ledger issues the group(s) during it, so a drain
+        # that paused admission meanwhile waits for them too (not "idle" with a group half
+        # submitted), even if every other group finishes during the fetch.
+        self._groups_in_flight += 1
+        self._idle.clear()
+        groups = []
+        try:
+            k = min(self._fetch_count(counted=True), granted)
+            start = self._now()
+            groups = await self._next_groups(k) if k > 1 else [await self._next_group()]
+            self.stats.fetch_seconds += self._now() - start
+            self.stats.fetches += 1
+            for group in groups:
+                if group.size != self.limits.group_size:
+                    raise ValueError(f"group {group.group_id!r} has {group.size} samples, "
+                                     f"expected rollout.n_samples_per_prompt = "
+                                     f"{self.limits.group_size}")
+        except BaseException:
+            self._group_done()
+            raise
+        finally:
+            if self._admit is not None:
+                await self._give_back(granted - len(groups))
+        self._groups_in_flight += len(groups) - 1
+        self._ready.extend(OpenGroup(g) for g in groups[1:])
+        return OpenGroup(groups[0])
+
+    def _fetch_count(self, counted: bool) -> int:
+        """Groups to open now: one plus whole groups of free budget, within the target;
+        `counted`: the one being fetched is already counted in flight."""
+        if self._next_groups is None:
+            return 1
+        free = self._budget._value // self.limits.group_size  # CPython asyncio: free permits
+        in_flight = self._groups_in_flight - (1 if counted else 0)
+        room = self._target - self.stats.inserted_groups - in_flight
+        return int(max(1, min(self._max_fetch, 1 + free, room)))
