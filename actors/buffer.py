@@ -12,8 +12,7 @@ from __future__ import annotations
 import ray
 
 from actors.prompt_source import ref_of
-from rl_async.loop.admission import admission_for
-from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer, buffer_options
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.loop.monitor import LoopMonitor
 from rl_async.plan.config import RunConfig
@@ -30,14 +29,11 @@ class BufferActor:
         self._last_ack = None  # the latest apply call sent (later calls finish later)
         self.monitor = LoopMonitor()
         self.ray_calls = 0  # ledger reports sent (orchestration cost per sample)
-        a = cfg.async_
         self.buffer = CompletedBuffer(
-            plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
-            overflow=a.buffer_overflow,
+            plan.completed_buffer_groups, cfg.max_weight_staleness, **buffer_options(cfg, plan),
             on_discard=lambda g, reason: self._tell("record_buffer_discard", ref_of(g), reason),
             on_insert=lambda g: self._tell("mark_buffered", ref_of(g)),
-            on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]),
-            admission=admission_for(plan))
+            on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]))
 
     def _tell(self, method: str, *args) -> None:
         self._ops.append((method, args))

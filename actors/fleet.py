@@ -276,6 +276,9 @@ class RayFleet(FleetPublication):
     async def producer_stop(self) -> None:
         await self.bounded(self.producer.stop.remote(), "producer.stop")
 
+    async def producer_set_budget(self, groups: int) -> None:
+        await self.bounded(self.producer.set_budget.remote(groups), "producer.set_budget")
+
     # ---- buffer and training -----------------------------------------------------------------
     async def get_groups(self, n: int, version: int) -> list[Group]:
         ref = self.buffer.get.remote(n, version)

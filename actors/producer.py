@@ -239,6 +239,9 @@ class ProducerActor:
     def set_target(self, groups: float) -> None:
         self.core.set_target(groups)
 
+    def set_budget(self, groups: int) -> None:
+        self.core.set_budget(groups)
+
     def pause_admission(self) -> None:
         self.core.pause_admission()
 

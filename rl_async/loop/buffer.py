@@ -33,7 +33,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rl_async.base.waiters import Waiters as _Waiters
-from rl_async.loop.admission import AdmissionBound, AdmissionGate
+from rl_async.loop.admission import AdmissionBound, AdmissionGate, admission_for
 from rl_async.loop.buffer_index import ResidentGroups
 from rl_async.base.clock import now as clock_now
 from rl_async.observe.queue_metrics import QueueMetrics
@@ -81,6 +81,7 @@ class CompletedBuffer:
         on_deliver: Callable[[list[Group]], None] | None = None,
         clock: Callable[[], float] = clock_now,
         admission: AdmissionBound | None = None,
+        hold_back_groups: int = 0,
     ) -> None:
         if isinstance(capacity_groups, int) and not isinstance(capacity_groups, bool) \
                 and capacity_groups == 0:
@@ -99,6 +100,8 @@ class CompletedBuffer:
         self._order, self._overflow = order, overflow
         self._on_discard, self._on_insert, self._on_deliver = on_discard, on_insert, on_deliver
         self._clock = clock
+        # async.hold_back_collections: a get leaves this many groups behind what it takes
+        self._hold_back = _check_int("hold_back_groups", hold_back_groups, 0)
         self._groups = ResidentGroups(order)  # by arrival order and by eviction rank
         self._keys: set[tuple[str, int]] = set()  # (group_id, attempt) resident or taken
         self._seq = itertools.count()
@@ -319,7 +322,7 @@ class CompletedBuffer:
 
     def _take_eligible(self, take: _Take, n_groups: int, version: int) -> None:
         try:
-            while len(take.items) < n_groups:
+            while len(take.items) < n_groups and len(self._groups) > self._hold_back:
                 seq = self._groups.peek_order()
                 if seq is None:
                     return
@@ -384,3 +387,10 @@ class CompletedBuffer:
             return
         avg = version - g.known_sum / g.known_n
         self._metrics.record_resident_staleness(max(0.0, avg), max(0, version - top[1]))
+
+
+def buffer_options(cfg: Any, plan: Any) -> dict[str, Any]:
+    """The CompletedBuffer settings of a run beyond its capacity and lag (each actor system,
+    real or simulated, builds its buffer with these)."""
+    return {"order": cfg.async_.buffer_order, "overflow": cfg.async_.buffer_overflow,
+            "admission": admission_for(plan), "hold_back_groups": plan.hold_back_groups}

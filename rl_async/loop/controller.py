@@ -20,11 +20,11 @@ from typing import Any, Callable, Protocol
 
 from rl_async.base import clock
 from rl_async.observe.calibration import CalibrationStats
-from rl_async.observe.queue_metrics import COMPLETED_QUEUE_PREFIX
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
+from rl_async.loop.health import health_for
 from rl_async.loop.progress import Progress, orchestration_metrics
 from rl_async.loop.run_summary import run_summary
 from rl_async.observe.offpolicy import OffPolicyStats
@@ -45,6 +45,7 @@ class Fleet(PublicationOps, Protocol):
     async def producer_resume_admission(self) -> None: ...
     async def producer_wait_idle(self, timeout_s: float) -> bool: ...
     async def producer_stop(self) -> None: ...
+    async def producer_set_budget(self, groups: int) -> None: ...
     async def get_groups(self, n: int, version: int) -> list[Group]: ...
     async def buffer_set_version(self, version: int,
                                  engine_version: int | None = None) -> None: ...
@@ -85,6 +86,7 @@ class Controller:
         self.calibration = CalibrationStats()
         self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
         self.staleness = StalenessSplit()
+        self.health = health_for(cfg, plan)  # async.health_control (loop/health.py)
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
         self.started = 0.0
@@ -154,6 +156,7 @@ class Controller:
         # The buffer stamps each arriving group with the trainer's version (the in-flight /
         # in-queue split of its age): tell it the new one now, not at the next get.
         await self.fleet.buffer_set_version(self.version)
+        health = await self._health(train_metrics, p.step)
         pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
@@ -161,8 +164,9 @@ class Controller:
         # publication.every_updates: publish once the trainer is that many updates past the
         # engines. Each publication drains the engines (no new request until in-flight ones
         # finish); validate keeps the spacing within the lag (plan/schedule.py).
-        due = self.version - self._published >= self.cfg.publication.every_updates
-        pub_metrics = {"publish/skipped": float(not due)}
+        every = self.health.current_every if self.health else self.cfg.publication.every_updates
+        due = self.version - self._published >= every
+        pub_metrics = {"publish/skipped": float(not due), **health}
         if due:
             pub_metrics.update(await self._publish(self.version))
         pub_s = clock.now() - pub_start
@@ -172,9 +176,10 @@ class Controller:
                    # the gather's time, and what of it the loop waited beyond the publication
                    "perf/metrics_gather_seconds": gather_s,
                    "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
-        metrics.update(self._collection_metrics(groups, wait))
-        self._count_discards(metrics)
-        p.length_ks = metrics.get("rollout/length_ks", p.length_ks)
+        metrics.update(self.staleness.observe(groups))
+        metrics.update(p.collection_metrics(groups, wait, self.version,
+                                            clock.now() - self.started))
+        p.count_discards(metrics)
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
@@ -190,6 +195,16 @@ class Controller:
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self._checkpoint()
+
+    async def _health(self, train_metrics: dict[str, float], step: int) -> dict[str, float]:
+        """async.health_control: this collection's verdict and decisions (loop/health.py)."""
+        if self.health is None:
+            return {}
+        decisions = self.health.observe(train_metrics, step)
+        if any(d["action"] in ("lower_budget", "raise_budget") for d in decisions):
+            await self._bounded(self.fleet.producer_set_budget(self.health.current_budget),
+                                "setting the producer budget")
+        return self.health.metrics(decisions)
 
     async def _balance_threads(self, metrics: dict[str, float]) -> None:
         split = self.threads.observe(usage_from(metrics, self.cfg.cluster.trainer_workers,
@@ -244,35 +259,6 @@ class Controller:
         # the engines now hold the published one (the admission bound's floor).
         await self.fleet.buffer_set_version(self.version, self._published)
         return result.metrics()
-
-    def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
-        p = self.progress
-        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
-        ages = [g.age_at_delivery for g in groups if g.age_at_delivery is not None]
-        tokens = sum(g.response_tokens for g in groups)
-        p.version = self.version
-        p.reward = sum(rewards) / max(1, len(rewards))
-        p.staleness = sum(ages) / len(ages) if ages else 0.0
-        p.max_staleness = max([p.max_staleness, *ages])
-        p.staleness_sum += sum(ages)
-        p.staleness_groups += len(ages)
-        p.trainer_wait_seconds += wait
-        p.useful_tokens += tokens
-        elapsed = max(1e-9, clock.now() - self.started)
-        return {**self.staleness.observe(groups),
-                "rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
-                "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
-                "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
-                "policy/version": float(self.version)}
-
-    def _count_discards(self, metrics: dict[str, float]) -> None:
-        """The run's discard fraction so far (the progress line's), from the buffer's
-        windowed counts that this collection's metrics carry."""
-        p = self.progress
-        p.dropped_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "dropped_samples", 0))
-        p.delivered_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "delivered_samples", 0))
-        decided = p.dropped_samples + p.delivered_samples
-        p.discard_fraction = p.dropped_samples / decided if decided else 0.0
 
     async def _get_collection(self) -> list[Group]:
         """Wait for a collection while watching the producer: a dead producer (or an engine,

@@ -27,6 +27,7 @@ class AdmissionMixin:
 
     _admit: Callable[[int], Awaitable[int]] | None
     _release: Callable[[int], Awaitable[None]] | None
+    _budget_cap: float = math.inf  # set_budget (async.health_control)
 
     def pause_admission(self) -> None:
         """Lifecycle drain: open no new group. Groups already opened still finish (their
@@ -35,6 +36,13 @@ class AdmissionMixin:
 
     def resume_admission(self) -> None:
         self._gate.set()
+
+    def set_budget(self, groups: int) -> None:
+        """async.health_control: open new groups only while fewer than `groups` are in flight
+        (at most the plan's budget, which the permits still enforce)."""
+        if groups < 1:
+            raise ValueError(f"set_budget({groups}): the producer needs at least one group")
+        self._budget_cap = groups  # _wait_admissible polls it
 
     def set_target(self, groups: float) -> None:
         """Synchronous mode: insert exactly this many more groups than every earlier target
@@ -53,7 +61,8 @@ class AdmissionMixin:
                 return False
             if not self._gate.is_set():  # paused while waiting for buffer room
                 continue
-            if self.stats.inserted_groups + self._groups_in_flight < self._target:
+            if (self.stats.inserted_groups + self._groups_in_flight < self._target
+                    and self._groups_in_flight < self._budget_cap):
                 return True
             await asyncio.sleep(0.01)
 
@@ -126,5 +135,5 @@ class AdmissionMixin:
             return 1
         free = self._budget._value // self.limits.group_size  # CPython asyncio: free permits
         in_flight = self._groups_in_flight - (1 if counted else 0)
-        room = self._target - self.stats.inserted_groups - in_flight
+        room = min(self._target - self.stats.inserted_groups, self._budget_cap) - in_flight
         return int(max(1, min(self._max_fetch, 1 + free, room)))

@@ -57,6 +57,8 @@ class CapacityPlan:
     # hold its version, rollout_batch_size x (floor(lag / updates per collection) + 1).
     staleness_bound: str = "dequeue"
     admission_horizon_groups: int = 0
+    # async.hold_back_collections x rollout_batch_size: groups left behind each collection
+    hold_back_groups: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,6 +136,7 @@ def plan_capacity(cfg: RunConfig) -> tuple[CapacityPlan, list[Warning_], list[st
         submission_granularity=cfg.async_.rollout_submission_granularity,
         rollout_batch_size=rbs, fully_async=cfg.fully_async)
     plan = _with_staleness_bound(cfg, plan)
+    plan = _with_hold_back(cfg, plan, errors)
     warnings += capacity_warnings(plan)
     return plan, warnings, errors
 
@@ -148,6 +151,29 @@ def _with_staleness_bound(cfg: RunConfig, plan: CapacityPlan) -> CapacityPlan:
     return dataclasses.replace(plan, staleness_bound="admission",
                                admission_horizon_groups=plan.rollout_batch_size
                                * (lag // steps + 1))
+
+
+def _with_hold_back(cfg: RunConfig, plan: CapacityPlan, errors: list[str]) -> CapacityPlan:
+    """async.hold_back_collections: room for them plus the collection taken, and a lag that
+    lets data that old be trained (else every group would be discarded)."""
+    hold = cfg.async_.hold_back_collections
+    if not hold:
+        return plan
+    key = f"async.hold_back_collections = {hold}"
+    need = (hold + 1) * plan.rollout_batch_size
+    if not plan.fully_async:
+        errors.append(f"{key} needs an async run (async.fully_async = true): a synchronous "
+                      f"run generates one collection per version")
+    if plan.completed_buffer_groups < need:
+        errors.append(f"{key} needs a completed buffer of at least {need} groups ((hold + 1) "
+                      f"x rollout.rollout_batch_size); it holds {plan.completed_buffer_groups}: "
+                      f"raise async.async_data_buffer_capacity_factor to {hold + 1}")
+    least = hold * plan.optimizer_steps_per_collection + 1
+    if plan.max_weight_staleness < least:
+        errors.append(f"{key} makes every group at least {least - 1} versions old; "
+                      f"async.max_weight_staleness = {plan.max_weight_staleness} would discard "
+                      f"them all: raise it to at least {least}")
+    return dataclasses.replace(plan, hold_back_groups=hold * plan.rollout_batch_size)
 
 
 def capacity_warnings(p: CapacityPlan) -> list[Warning_]:

@@ -250,6 +250,16 @@ class AsyncSection(Section):
     # lag when the trainer reaches it (rl_async/loop/admission.py; the dequeue filter stays
     # as a fallback); "dequeue" discards and regenerates groups found too old.
     staleness_bound: Literal["admission", "dequeue"] = "dequeue"
+    # Collections the trainer leaves in the buffer behind the one it takes: every group then
+    # waits that many more collections (forced-lag experiments, benchmarks/offpolicy_lag.py).
+    hold_back_collections: int = Field(0, ge=0)
+    # Off-policy health to pacing (rl_async/loop/health.py): past a threshold publish sooner,
+    # then lower the producer budget; loosen after health_patience healthy collections.
+    health_control: bool = False
+    health_kl_max: PositiveFloat = 0.05
+    health_ln2_fraction_max: float = Field(0.05, gt=0, le=1)
+    health_ess_min: float = Field(0.5, ge=0, le=1)
+    health_patience: PositiveInt = 3
     buffer_order: Literal["fifo", "lifo"] = "fifo"
     buffer_overflow: Literal["block", "evict"] = "block"
     unused_samples_handler: Literal["retry", "drop"] = "retry"

@@ -262,6 +262,21 @@ KEYS: dict[str, Doc] = {
                                  "trained (the dequeue filter stays as a fallback); "
                                  "'dequeue' discards and regenerates old groups",
                                  rule="admission_horizon_groups; async runs with a lag >= 1"),
+    "async.hold_back_collections": Doc("collections kept buffered behind the one training "
+                                       "takes, so data is that many collections older "
+                                       "(forced-lag experiments; 0 in normal runs)",
+                                       "collections", "buffer >= (hold + 1) collections; "
+                                       "lag > hold x updates per collection"),
+    "async.health_control": Doc("watch the trainer's off-policy diagnostics: past a threshold "
+                                "publish sooner, then lower the producer budget; loosen when "
+                                "healthy (every decision a health/* event)"),
+    "async.health_kl_max": Doc("unhealthy above this k3 KL(trainer || rollout) per token"),
+    "async.health_ln2_fraction_max": Doc("unhealthy above this share of tokens with |log "
+                                         "ratio| > ln 2", "fraction"),
+    "async.health_ess_min": Doc("unhealthy below this effective sample size of the weights",
+                                "fraction"),
+    "async.health_patience": Doc("healthy collections in a row before loosening one step",
+                                 "collections"),
     "async.buffer_order": Doc("'fifo' trains the oldest completed group first, 'lifo' the "
                               "newest"),
     "async.buffer_overflow": Doc("full buffer: 'block' new submissions, or 'evict' the "

@@ -10,9 +10,9 @@ import copy
 import random
 from dataclasses import dataclass, field
 
-from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer, buffer_options
 from rl_async.engine.base import GenerateOutput
-from rl_async.loop.admission import admission_calls, admission_for
+from rl_async.loop.admission import admission_calls
 from rl_async.loop.ledger import PromptLedger
 from rl_async.observe.queue_metrics import with_prefix
 from rl_async.loop.producer import Producer, ProducerLimits
@@ -72,7 +72,7 @@ class InProcessFleet:
         self.engine = FakeEngine(self.rng, version)
         self.buffer = CompletedBuffer(plan.completed_buffer_groups, plan.max_weight_staleness,
                                       **self.book.buffer_callbacks(),
-                                      admission=admission_for(plan))
+                                      **buffer_options(cfg, plan))
         self.buffer.set_version(version, version)  # the engines start on it
 
         async def aborted(g):
@@ -117,6 +117,9 @@ class InProcessFleet:
 
     async def producer_stop(self):
         self.producer.stop()
+
+    async def producer_set_budget(self, groups):
+        self.producer.set_budget(groups)
 
     async def get_groups(self, n, version):
         return await self.buffer.get(n, version)
