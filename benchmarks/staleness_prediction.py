@@ -101,9 +101,9 @@ def main() -> None:
     args = parse_with_smoke(parser, steps=4, utilisations="0.8", tails="1.2")
     init_ray(num_cpus=2)
     started = time.monotonic()
-    cells = [cell(float(s), float(u), args.steps, args.out)
-             for s in args.tails.split(",") for u in args.utilisations.split(",")]
-    out = {"cells": cells, "within_target": sum(c["within"] for c in cells),
+    cells = {f"utilisation {u}, sigma {s}": cell(float(s), float(u), args.steps, args.out)
+             for s in args.tails.split(",") for u in args.utilisations.split(",")}
+    out = {"cells": cells, "within_target": sum(c["within"] for c in cells.values()),
            "of": len(cells), "benchmark_seconds": round(time.monotonic() - started, 1)}
     print(json.dumps(out) if args.json else json.dumps(out, indent=2))
 

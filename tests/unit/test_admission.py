@@ -130,3 +130,13 @@ def test_length_ks_reaches_w_and_b_and_the_summary():
     assert m["length_ks"] == pytest.approx(1 / 3)         # generated 1,9,1 vs trained 1
     summary = run(SCENARIO + ["async.staleness_bound=dequeue"])
     assert summary["rollout"]["length_ks"] == 0.0  # the fake engine answers 2 tokens, always
+
+
+def test_the_plan_resolves_the_bound_and_its_horizon():
+    def plan(*overrides):
+        return plan_capacity(load_config("cluster_configs/local.toml", list(overrides)))[0]
+    p = plan("async.staleness_bound=admission", "async.max_weight_staleness=4")
+    assert (p.staleness_bound, p.admission_horizon_groups) == ("admission", 8 * (4 + 1))
+    assert plan("async.staleness_bound=admission", "async.max_weight_staleness=0"
+                ).staleness_bound == "dequeue"               # lag 0 is sync by construction
+    assert plan().staleness_bound == "dequeue"
