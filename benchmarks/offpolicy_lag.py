@@ -18,7 +18,7 @@ budget plus one buffered collection add at most about two versions of queueing. 
 evaluation every 7 updates, cadences of 16 and 64 both delivered data at most 11 versions old.
 
     python benchmarks/offpolicy_lag.py --json [--lags 1,4,16,64]
-        [--losses ppo_tis,cispo,gspo,m2po,decoupled_ppo] [--seeds 1] [--explain]
+        [--losses ppo_tis,cispo,gspo,m2po,decoupled_ppo] [--explain] [--health]
 prints one JSON line.
 """
 
@@ -58,7 +58,7 @@ def lag_overrides(lag: int) -> list[str]:
             f"async.max_weight_staleness={2 * lag + 4}"]
 
 
-def run_cell(name: str, extra: list[str], args) -> dict:
+def run_cell(name: str, extra: list[str], args, keep_summary: bool = False) -> dict:
     overrides = [f"run.name={name}", f"run.seed={args.seed}", f"model.init_seed={args.seed}",
                  f"run.max_steps={args.steps}", f"train.lr={args.lr}",
                  f"eval.every_steps={args.every}", f"run.output_dir={args.out}/runs",
@@ -80,7 +80,8 @@ def run_cell(name: str, extra: list[str], args) -> dict:
             "discarded_groups": s["ledger"]["discarded_groups"],
             **{k: round(c[k]["mean"], 4) for k in ("kl_k3_trainer_rollout",
                                                     "logratio_over_ln2_fraction",
-                                                    "masked_fraction") if k in c}}
+                                                    "masked_fraction", "ess_ratio") if k in c},
+            **({"summary": s} if keep_summary else {})}
 
 
 def explain(args) -> dict:
@@ -96,6 +97,25 @@ def explain(args) -> dict:
             out[f"pub{every_pub}_eval_every{evals or 'none'}"] = {
                 k: cell[k] for k in ("delivered_mean", "delivered_max", "inflight_mean",
                                      "queue_mean")}
+    return out
+
+
+def health(args) -> dict:
+    """Lag about 64 made by the engines (publication every 128 updates, no mid-run
+    evaluation, which would publish): --health-loss fixed, and the same with
+    async.health_control = true, which publishes sooner (then lowers the producer budget)
+    while the diagnostics are past their thresholds."""
+    base = ["publication.every_updates=128", "async.max_weight_staleness=160",
+            "eval.every_steps=0", f'train.policy_loss="{args.health_loss}"',
+            *LOSS_SETTINGS.get(args.health_loss, [])]
+    out = {}
+    for name, extra in (("fixed", []), ("health_control", ["async.health_control=true"])):
+        cell = run_cell(f"health-{name}", base + extra, args, keep_summary=True)
+        summary = cell.pop("summary")
+        h = summary["health"]
+        cell["decisions"] = len(h.get("events", []))
+        cell["actions"] = sorted({e["action"] for e in h.get("events", [])})
+        out[name] = cell
     return out
 
 
@@ -127,6 +147,11 @@ def main() -> None:
                         help="the loss whose lag-16 ratio the goal is judged on")
     parser.add_argument("--explain", action="store_true", help="also run the publication "
                         "cadence check (4 more runs)")
+    parser.add_argument("--health", action="store_true", help="also run the lag-64 case made "
+                        "by the engines, fixed and with async.health_control (2 more runs)")
+    parser.add_argument("--health-loss", default="ppo_tis")
+    parser.add_argument("--only-extra", action="store_true",
+                        help="skip the grid: only --explain / --health")
     parser.add_argument("--out", default=None)
     parser.add_argument("--set", action="append", default=[], help="override, every cell")
     args = parse_with_smoke(parser, lags="1,2", losses="ppo_tis,m2po", steps=4, every=2)
@@ -134,7 +159,7 @@ def main() -> None:
     init_ray(num_cpus=2)
     started = time.monotonic()
     cells: dict[str, dict] = {}
-    for loss in args.losses.split(","):
+    for loss in ([] if args.only_extra else args.losses.split(",")):
         cells[loss] = {}
         for lag in (int(x) for x in args.lags.split(",")):
             extra = [f'train.policy_loss="{loss}"', *LOSS_SETTINGS.get(loss, []),
@@ -144,6 +169,8 @@ def main() -> None:
               "cells": cells, "goals": goals(cells, args.default_loss)}
     if args.explain:
         result["explain"] = explain(args)
+    if args.health:
+        result["health"] = health(args)
     result["benchmark_seconds"] = round(time.monotonic() - started, 1)
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))
 

@@ -8,9 +8,10 @@ fetches from the prompt source, and the staleness bound's tickets.
       -> fetch that many groups from the prompt source (counted in flight from here)
 
 Tickets are taken before a group counts as in flight, so a drain that pauses admission
-never waits for a producer parked on the bound; tickets not used (a paused gate, a short
-fetch) and those of groups that end without insertion (filtered, aborted, failed) are
-given back.
+never waits for a producer parked on the bound. They come `max_fetch` beyond the need and
+are banked (one round trip to the buffer per several groups, not per group); tickets not
+used (a paused gate, a short fetch) stay banked, and those of groups that end without
+insertion (filtered, aborted, failed) are given back to the buffer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class AdmissionMixin:
     _admit: Callable[[int], Awaitable[int]] | None
     _release: Callable[[int], Awaitable[None]] | None
     _budget_cap: float = math.inf  # set_budget (async.health_control)
+    _bank: int = 0  # admission tickets in hand (granted by the buffer, not yet used)
 
     def pause_admission(self) -> None:
         """Lifecycle drain: open no new group. Groups already opened still finish (their
@@ -68,23 +70,27 @@ class AdmissionMixin:
 
     async def _tickets(self, want: int) -> int:
         """Up to `want` admissions the staleness bound allows (waiting for one); 0 when the
-        producer stopped or its gate closed meanwhile (what was granted goes back)."""
+        producer stopped or its gate closed meanwhile. Tickets are asked for `max_fetch`
+        at a time beyond the need and banked here, so most groups open without a round trip
+        to the buffer (the bound counts banked tickets as groups ahead: a little tighter)."""
         if self._admit is None:
             return want
-        call = asyncio.ensure_future(self._admit(want))
-        woken = asyncio.ensure_future(self._woken.wait())
-        try:
-            await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-        if not call.done():  # stopped or failed while parked on the bound
-            call.cancel()
-            return 0
-        granted = call.result()
+        if not self._bank:
+            call = asyncio.ensure_future(self._admit(want + self._max_fetch))
+            woken = asyncio.ensure_future(self._woken.wait())
+            try:
+                await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                woken.cancel()
+            if not call.done():  # stopped or failed while parked on the bound
+                call.cancel()
+                return 0
+            self._bank += call.result()
         if self._stopped or self._fatal is not None or not self._gate.is_set():
-            await self._give_back(granted)
-            return 0
-        return granted
+            return 0  # banked for later
+        take = min(want, self._bank)
+        self._bank -= take
+        return take
 
     async def _give_back(self, n: int) -> None:
         if n and self._release is not None:
@@ -122,8 +128,7 @@ class AdmissionMixin:
             self._group_done()
             raise
         finally:
-            if self._admit is not None:
-                await self._give_back(granted - len(groups))
+            self._bank += granted - len(groups) if self._admit is not None else 0
         self._groups_in_flight += len(groups) - 1
         self._ready.extend(OpenGroup(g) for g in groups[1:])
         return OpenGroup(groups[0])
