@@ -228,7 +228,7 @@ class Controller:
         previous = await self._finish_publication()
         self._published = version
         snapshotted = asyncio.Event()
-        task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
+        task = asyncio.ensure_future(self._publish_and_land(version, snapshotted))
         waiter = asyncio.ensure_future(snapshotted.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -238,6 +238,14 @@ class Controller:
         if not self._overlap_publication:
             return await self._finish_publication()
         return previous
+
+    async def _publish_and_land(self, version: int, snapshotted: asyncio.Event):
+        """One publication; the moment it lands the buffer learns the engines' version (the
+        admission bound's floor), not when the controller next awaits it (a collection
+        later when publications overlap training)."""
+        result = await self.publisher.publish(version, self.fleet, snapshotted)
+        await self.fleet.buffer_set_version(self.version, version)
+        return result
 
     async def _land_current_version(self) -> None:
         """Publish the trainer's version if a cadence skipped it (publication.every_updates),
@@ -253,12 +261,7 @@ class Controller:
         task, self._pub_task = self._pub_task, None
         if task is None:
             return {}
-        result = await task
-        # The buffer judges ages against the trainer's latest version, which a skipped
-        # publication (publication.every_updates) leaves ahead of the one that just landed;
-        # the engines now hold the published one (the admission bound's floor).
-        await self.fleet.buffer_set_version(self.version, self._published)
-        return result.metrics()
+        return (await task).metrics()
 
     async def _get_collection(self) -> list[Group]:
         """Wait for a collection while watching the producer: a dead producer (or an engine,

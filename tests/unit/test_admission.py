@@ -140,3 +140,21 @@ def test_the_plan_resolves_the_bound_and_its_horizon():
     assert plan("async.staleness_bound=admission", "async.max_weight_staleness=0"
                 ).staleness_bound == "dequeue"               # lag 0 is sync by construction
     assert plan().staleness_bound == "dequeue"
+
+
+def test_tickets_are_banked_so_most_groups_open_without_a_round_trip():
+    cfg = load_config("cluster_configs/local.toml", [
+        "wandb.mode=disabled", "eval.every_steps=0", "run.max_steps=8",
+        "async.staleness_bound=admission"])
+    plan = plan_capacity(cfg)[0]
+    fleet = InProcessFleet(cfg, plan, Disk(), seed=5)
+    calls = []
+    admit = fleet.buffer.admit
+
+    async def counted(n):
+        calls.append(n)
+        return await admit(n)
+    fleet.producer._admit = counted
+    summary = asyncio.run(Controller(cfg, plan, fleet, lambda m, s: None).run())
+    opened = summary["ledger"]["submitted_groups"]
+    assert opened >= 8 * plan.rollout_batch_size and len(calls) <= opened / 4
