@@ -93,7 +93,8 @@ def explain(args) -> dict:
             extra = [f"publication.every_updates={every_pub}",
                      f"async.max_weight_staleness={2 * every_pub}",
                      f"eval.every_steps={evals}", "train.policy_loss=ppo_tis"]
-            cell = run_cell(f"explain-pub{every_pub}-eval{evals}", extra, args)
+            cell = run_cell(f"explain-pub{every_pub}-eval{evals}",
+                            extra + [f"run.max_steps={args.explain_steps}"], args)
             out[f"pub{every_pub}_eval_every{evals or 'none'}"] = {
                 k: cell[k] for k in ("delivered_mean", "delivered_max", "inflight_mean",
                                      "queue_mean")}
@@ -147,6 +148,8 @@ def main() -> None:
                         help="the loss whose lag-16 ratio the goal is judged on")
     parser.add_argument("--explain", action="store_true", help="also run the publication "
                         "cadence check (4 more runs)")
+    parser.add_argument("--explain-steps", type=int, default=100,
+                        help="run.max_steps of the --explain runs")
     parser.add_argument("--health", action="store_true", help="also run the lag-64 case made "
                         "by the engines, fixed and with async.health_control (2 more runs)")
     parser.add_argument("--health-loss", default="ppo_tis")
