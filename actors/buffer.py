@@ -12,7 +12,7 @@ from __future__ import annotations
 import ray
 
 from actors.prompt_source import ref_of
-from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer, buffer_options
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.loop.monitor import LoopMonitor
 from rl_async.plan.config import RunConfig
@@ -29,10 +29,8 @@ class BufferActor:
         self._last_ack = None  # the latest apply call sent (later calls finish later)
         self.monitor = LoopMonitor()
         self.ray_calls = 0  # ledger reports sent (orchestration cost per sample)
-        a = cfg.async_
         self.buffer = CompletedBuffer(
-            plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
-            overflow=a.buffer_overflow,
+            plan.completed_buffer_groups, cfg.max_weight_staleness, **buffer_options(cfg, plan),
             on_discard=lambda g, reason: self._tell("record_buffer_discard", ref_of(g), reason),
             on_insert=lambda g: self._tell("mark_buffered", ref_of(g)),
             on_deliver=lambda gs: self._tell("mark_delivered_all", [ref_of(g) for g in gs]))
@@ -76,9 +74,19 @@ class BufferActor:
         await self._acked()
         return groups
 
-    async def set_version(self, version: int) -> None:
-        self.buffer.set_version(version)
+    async def set_version(self, version: int, engine_version: int | None = None) -> None:
+        self.buffer.set_version(version, engine_version)
         await self._acked()  # stale evictions at the new version
+
+    async def admit(self, n_groups: int) -> int:
+        """Staleness bound tickets for the producer (rl_async/loop/admission.py)."""
+        return await self.buffer.admit(n_groups)
+
+    def release(self, n_groups: int) -> None:
+        self.buffer.release(n_groups)
+
+    def admission(self) -> dict:
+        return self.buffer.admission.bound.to_dict() if self.buffer.admission else {}
 
     def reserve(self, n_groups: int) -> None:
         """Lifecycle drains: room for the groups the producer owns (0 = release)."""

@@ -186,7 +186,7 @@ class RayFleet(FleetPublication):
         # deadline. The send forms each engine's publication channel first.
         await Publisher(cfg.refresh.mode, cfg.publication.drain_timeout_s,
                         cfg.publication.timeout_s).transfer(version, self)
-        await self.buffer.set_version.remote(version)
+        await self.buffer.set_version.remote(version, version)  # engines hold it now
         if cfg.fault_tolerance:
             self.supervisor = EngineSupervisor(self)
             self.supervisor.start()
@@ -274,6 +274,9 @@ class RayFleet(FleetPublication):
     async def producer_stop(self) -> None:
         await self.bounded(self.producer.stop.remote(), "producer.stop")
 
+    async def producer_set_budget(self, groups: int) -> None:
+        await self.bounded(self.producer.set_budget.remote(groups), "producer.set_budget")
+
     # ---- buffer and training -----------------------------------------------------------------
     async def get_groups(self, n: int, version: int) -> list[Group]:
         ref = self.buffer.get.remote(n, version)
@@ -283,8 +286,9 @@ class RayFleet(FleetPublication):
             ray.cancel(ref)  # (an async actor's task is cancelled where it waits, taking none)
             raise
 
-    async def buffer_set_version(self, version: int) -> None:
-        await self.bounded(self.buffer.set_version.remote(version), "completed-buffer.set_version")
+    async def buffer_set_version(self, version: int, engine_version: int | None = None) -> None:
+        await self.bounded(self.buffer.set_version.remote(version, engine_version),
+                           "completed-buffer.set_version")
 
     async def buffer_reserve(self, n_groups: int) -> None:
         await self.bounded(self.buffer.reserve.remote(n_groups), "completed-buffer.reserve")

@@ -89,6 +89,9 @@ class ProducerActor:
             failure_budget=FailureBudget(cfg.run.failure_window_groups,
                                          cfg.run.max_failed_group_fraction),
             seed=cfg.run.seed, trajectory=self.trajectory,
+            **({"admit": self._call(buffer, "completed buffer", "admit"),
+                "release": self._call(buffer, "completed buffer", "release")}
+               if plan.staleness_bound == "admission" else {}),
             **({"filter_group": zero_variance,
                 "on_filtered": lambda g, reason: self._call(source, "prompt source",
                                                             "mark_filtered")(ref_of(g), reason)}
@@ -265,6 +268,9 @@ class ProducerActor:
 
     def set_target(self, groups: float) -> None:
         self.core.set_target(groups)
+
+    def set_budget(self, groups: int) -> None:
+        self.core.set_budget(groups)
 
     def pause_admission(self) -> None:
         self.core.pause_admission()

@@ -44,6 +44,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
     t = cfg.train
     if t.backend == "megatron":
         return build_megatron_trainer(cfg, plan)
+    from rl_async.algo.corrections import corrections_from
     from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 
     return TorchTrainer(TorchTrainerConfig(
@@ -54,7 +55,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         max_tokens_per_microbatch=t.max_tokens_per_microbatch, share_prompts=t.share_prompts,
         max_nonfinite_updates=t.max_nonfinite_updates,
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
-        tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
+        tis_clip_low=t.tis_clip_low, use_tis=t.use_tis, corrections=corrections_from(t),
         use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
         temperature=cfg.rollout.temperature,
         device="cuda" if cfg.cluster.trainer_gpus else "cpu"), rank, world)

@@ -26,6 +26,7 @@ lr 4e-5, an evaluation every 7 updates. --task successor: the demo's task as it 
 (2-token answers; the target in a few seconds, one or two eval intervals).
 
     python benchmarks/time_to_reward.py --json [--seeds 4] [--lags 2,4,4:3] [--out DIR]
+        [--bounds dequeue,admission]   (each async lag with either staleness bound)
 prints one JSON line; summaries go to DIR (default a temp dir) for
 `rl-async compare DIR/*.json --plot curves.png` (their eval.curve is the loop clock of the
 table; the wall clock, evaluations included, is eval.wall_curve).
@@ -98,7 +99,9 @@ def report(runs: dict[str, list[dict]], fraction: float) -> dict:
             "final_reward_min": min(finals[mode]), "final_reward_max": max(finals[mode]),
             "median_loop_s": statistics.median(s["loop_curve"][-1][1] for s in summaries),
             "mean_staleness": statistics.mean(s["staleness"]["mean_delivered"]
-                                              for s in summaries)}
+                                              for s in summaries),
+            "discarded_groups": [s["ledger"]["discarded_groups"] for s in summaries],
+            "length_ks": [round(s["rollout"].get("length_ks", 0.0), 4) for s in summaries]}
     sync = out["modes"]["sync"]
     for mode, m in out["modes"].items():
         m["speedup"] = speedup(sync["median_time_to_target_s"], m["median_time_to_target_s"])
@@ -145,6 +148,9 @@ def main() -> None:
     parser.add_argument("--task", choices=sorted(TASKS), default="count")
     parser.add_argument("--lags", default="2,4", help="async modes: LAG or LAG:EVERY "
                         "(publication.every_updates), comma-separated")
+    parser.add_argument("--bounds", default="dequeue", help="async.staleness_bound of each "
+                        "async mode, comma-separated: 'dequeue,admission' runs every lag both "
+                        "ways (modes named ..._admission)")
     parser.add_argument("--steps", type=int, default=0, help="run.max_steps (0: the files')")
     parser.add_argument("--every", type=int, default=0, help="eval.every_steps, all modes "
                         "(time to target is resolved to one eval interval; 0: the task's)")
@@ -155,7 +161,11 @@ def main() -> None:
     args.every = args.every or TASKS[args.task][1]
     args.out = args.out or tempfile.mkdtemp(prefix="rl-async-ttr-")
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    modes = dict(async_mode(x) for x in args.lags.split(",") if x)
+    modes = {}
+    for name, overrides in (async_mode(x) for x in args.lags.split(",") if x):
+        for bound in args.bounds.split(","):
+            suffix = "" if bound == "dequeue" else f"_{bound}"
+            modes[name + suffix] = overrides + [f'async.staleness_bound="{bound}"']
     init_ray(num_cpus=2)
     started = time.monotonic()
     runs: dict[str, list[dict]] = {"sync": [], **{mode: [] for mode in modes}}

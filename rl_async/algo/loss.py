@@ -1,11 +1,13 @@
-"""PPO + truncated importance sampling (TIS) policy loss (SPEC §8).
+"""Policy losses with off-policy corrections (SPEC §8; the menu in rl_async/algo/corrections.py).
 
 Three log-probs per response token:
 
 - `b` behaviour: recorded by the engine when it sampled the token, never recomputed;
 - `a` anchor: the trainer's log-prob of the token under the weights from before this
-  collection's first optimizer step ("trainer scoring");
+  collection's first optimizer step ("trainer scoring"; decoupled PPO's proximal policy);
 - `θ` current: the trainer's log-prob under the weights being optimised.
+
+The default, `ppo_tis` (SPEC §8):
 
 ```
 w   = clamp(exp(a − b), tis_clip_low, tis_clip)       # TIS weight, detached
@@ -14,33 +16,32 @@ L_t = − w · min(r·A, clip(r, 1 − eps_clip, 1 + eps_clip_high) · A)
 L   = Σ_t mask·L_t / Σ_t mask                          # token mean over response tokens
 ```
 
+The other losses (each docstring cites its paper and writes its formula):
+`decoupled_ppo`, `gspo`, `cispo`, `m2po`. `train.is_mask` replaces or masks `w`.
+
 The loss is split in two layers so data-parallel trainers can report exact step metrics:
 `policy_terms` returns per-token losses plus additive sums and maxima (which reduce across
-micro-batches and ranks by plain addition / max), and `metrics_from_stats` turns reduced
-sums into the `train/*` metrics. `policy_loss` is both in one call, for one batch.
+micro-batches and ranks by plain addition / max; rl_async/algo/loss_metrics.py), and
+`metrics_from_stats` turns reduced sums into the `train/*` metrics. The trainer divides the
+summed per-token losses by `step_units` of the whole optimizer step (tokens; sequences for
+GSPO). `policy_loss` is both in one call, for one batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-# Additive statistics (reduce by sum over micro-batches and ranks).
-SUM_STATS = (
-    "tokens",            # N: unmasked response tokens
-    "loss_sum",          # Σ L_t
-    "ppo_clipped",       # tokens where the clipped PPO term is the binding one
-    "tis_clipped",       # tokens where exp(a − b) fell outside [tis_clip_low, tis_clip]
-    "tis_w_sum",         # Σ w
-    "tis_w_sq_sum",      # Σ w²
-    "abs_mismatch_sum",  # Σ |a − b|
-    "kl_sum",            # Σ k3(a, b), see below
-)
-# Statistics that reduce by max.
-MAX_STATS = ("ratio_max",)
+from rl_async.algo.corrections import Corrections, behaviour_weight, m2po_keep, sequence_sums
+from rl_async.algo.loss_metrics import (MAX_STATS, SUM_STATS, gap_stats, metrics_from_stats,
+                                        ratio_quantile)
+
+__all__ = ["MAX_STATS", "SUM_STATS", "PolicyTerms", "metrics_from_stats", "policy_loss",
+           "policy_terms", "ratio_quantile", "step_units"]
+DEFAULT = Corrections()
 
 
 @dataclass
@@ -48,9 +49,34 @@ class PolicyTerms:
     """Per-token loss (with grad) and detached statistics of one batch."""
 
     token_loss_BT: Tensor          # L_t, zero where mask is zero; carries the gradient
-    ratios_N: Tensor               # detached PPO ratios r at the unmasked tokens
+    ratios_N: Tensor               # detached ratios of the loss at the unmasked tokens
     sums: dict[str, Tensor]        # SUM_STATS as 0-dim float64 tensors
     maxes: dict[str, Tensor]       # MAX_STATS as 0-dim float64 tensors
+
+
+@dataclass
+class _Batch:
+    """One batch's tensors in the compute dtype, zeroed off the mask (no inf/nan leaks)."""
+
+    theta: Tensor
+    anchor: Tensor
+    behavior: Tensor
+    adv: Tensor
+    mask: Tensor
+    weight: Tensor      # detached behaviour weight w (0 where a mask rejects)
+    accepted: Tensor    # tokens the mask accepted
+
+    def where(self, values: Tensor) -> Tensor:
+        return torch.where(self.mask, values, torch.zeros_like(values))
+
+
+def step_units(trained_tokens: Iterable[int], corrections: Corrections = DEFAULT) -> float:
+    """The loss's denominator for an optimizer step given each sample's trained tokens:
+    the token count (token mean), or the number of non-empty samples (GSPO)."""
+    counts = list(trained_tokens)
+    if corrections.sequence_mean:
+        return float(sum(1 for n in counts if n > 0))
+    return float(sum(counts))
 
 
 def _check_args(logprobs: Tensor, anchor: Tensor, behavior: Tensor, advantages: Tensor,
@@ -79,113 +105,146 @@ def _check_args(logprobs: Tensor, anchor: Tensor, behavior: Tensor, advantages: 
     return advantages.expand_as(logprobs)
 
 
+def _clipped_surrogate(x: _Batch, ratio: Tensor, low: float, high: float
+                       ) -> tuple[Tensor, Tensor]:
+    """−min(ratio·A, clip(ratio, low, high)·A) and where the clipped term binds."""
+    unclipped = -x.adv * ratio
+    clipped = -x.adv * ratio.clamp(low, high)
+    return torch.maximum(unclipped, clipped), (clipped > unclipped) & x.mask
+
+
+def _ppo(x: _Batch, eps_clip: float, eps_clip_high: float):
+    """PPO-clip on r = exp(θ − a), times w. `ppo_tis` (SPEC §8) and `decoupled_ppo`, AReaL
+    (Fu et al. 2025, arXiv 2505.24298, eq. 5): J = E[π_prox/π_behav · min(u·A, clip(u,
+    1 − ε, 1 + ε)·A)], u = π_θ/π_prox; AReaL's weight is untruncated (corrections.py)."""
+    ratio = torch.exp(x.where(x.theta - x.anchor))
+    pg, clipped = _clipped_surrogate(x, ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+    return x.weight * pg, ratio, clipped, x.weight, x.accepted
+
+
+def _gspo(x: _Batch, corr: Corrections):
+    """GSPO (Zheng et al. 2025, arXiv 2507.18071, eqs. 5-7): s_i = (π_θ(y_i)/π_old(y_i))^(1/|y_i|)
+    = exp(mean_t(θ − a)); J = 1/G Σ_i min(s_i·A_i, clip(s_i, 1 − ε_l, 1 + ε_h)·A_i). Written
+    as GSPO-token (eq. 13): s_i,t = sg[s_i]·π_θ(y_t)/sg[π_θ(y_t)] has s_i's value and
+    gradient, so each token carries its share; dividing by |y_i| here and by the number of
+    sequences in the trainer gives the paper's sequence mean. Each token's loss is then
+    multiplied by w, as verl applies its rollout weights to GSPO."""
+    total_B1, count_B1 = sequence_sums(x.theta.detach() - x.anchor, x.mask)
+    log_s_B1 = total_B1 / count_B1.clamp(min=1.0)
+    ratio = torch.exp(x.where(x.theta - x.theta.detach() + log_s_B1))
+    pg, clipped = _clipped_surrogate(x, ratio, 1.0 - corr.gspo_eps_low, 1.0 + corr.gspo_eps_high)
+    return x.weight * pg / count_B1.clamp(min=1.0), ratio, clipped, x.weight, x.accepted
+
+
+def _cispo(x: _Batch, corr: Corrections):
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4): J = 1/Σ|o_i| Σ_i Σ_t sg(r̂_i,t)·Â_i,t·
+    log π_θ(o_i,t), r̂ = clip(r, low, high), with r = π_θ/π_behav against the policy that
+    sampled the data (ScaleRL, arXiv 2510.13786: rollout-anchored, truncated above at 4).
+    The weight is a coefficient: every token keeps its gradient, none is clipped away."""
+    ratio = torch.exp(x.where(x.theta.detach() - x.behavior))
+    low, high = corr.cispo_ratio_low, corr.cispo_ratio_high
+    coeff = ratio.clamp(low, high) * x.weight          # x.weight: the mask's 0/1 acceptance
+    loss = -coeff * x.adv * x.where(x.theta)
+    return loss, ratio, ((ratio < low) | (ratio > high)) & x.mask, coeff, x.accepted
+
+
+def _m2po(x: _Batch, corr: Corrections, log_rho: Tensor):
+    """M2PO (Zheng et al. 2025, arXiv 2510.01161; AReaL docs/en/algorithms/m2po.md):
+    J = 1/Σ_i|o_i| Σ_i Σ_t M_i,t·π_θ/π_behav·A_i,t, M ∈ {0, 1} the second-moment mask of
+    corrections.m2po_keep. No clip: the mask bounds E[(log r)²] instead; masked tokens stay
+    in the denominator (the original Σ|o_i|)."""
+    keep = m2po_keep(log_rho, x.mask, corr.m2po_tau)
+    gate = x.weight * keep
+    ratio = torch.exp(torch.where(keep, x.theta - x.behavior, torch.zeros_like(x.theta)))
+    stats_ratio = torch.exp(x.where(x.theta.detach() - x.behavior))
+    return (-gate * ratio * x.adv, stats_ratio, torch.zeros_like(x.mask), gate * ratio.detach(),
+            x.accepted & keep)
+
+
 def policy_terms(logprobs: Tensor, anchor_logprobs: Tensor, behavior_logprobs: Tensor,
                  advantages: Tensor, mask: Tensor, eps_clip: float = 0.2,
                  eps_clip_high: float = 0.2, tis_clip: float = 2.0, tis_clip_low: float = 0.0,
-                 use_tis: bool = True) -> PolicyTerms:
-    """Per-token PPO + TIS loss and the additive statistics behind the metrics."""
+                 use_tis: bool = True, corrections: Corrections | None = None) -> PolicyTerms:
+    """Per-token loss of the configured objective and the additive statistics behind the
+    metrics. Sum `token_loss_BT` and divide by `step_units` of the whole step."""
+    corr = corrections or DEFAULT
     adv_BT = _check_args(logprobs, anchor_logprobs, behavior_logprobs, advantages, mask,
                          eps_clip, eps_clip_high, tis_clip, tis_clip_low)
     mask_BT = mask.to(torch.bool)
-    compute_dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    theta_BT = logprobs.to(compute_dtype)
-    # Masked positions may hold anything (padding, -inf): zero their differences so no
-    # inf/nan leaks into the sums through 0 · inf.
-    zero = torch.zeros((), dtype=compute_dtype, device=logprobs.device)
-    anchor_BT = anchor_logprobs.detach().to(compute_dtype)
-    log_ratio_BT = torch.where(mask_BT, theta_BT - anchor_BT, zero)
-    ratio_BT = torch.exp(log_ratio_BT)
-    adv_BT = torch.where(mask_BT, adv_BT.detach().to(compute_dtype), zero)
-
-    # Importance-weight statistics in float64: exp(a − b) can be large before clamping.
-    ab_BT = torch.where(mask_BT, (anchor_logprobs.detach().double()
-                                  - behavior_logprobs.detach().double()), 0.0)
-    raw_w_BT = torch.exp(ab_BT)
-    if use_tis:
-        w_BT = raw_w_BT.clamp(min=tis_clip_low, max=tis_clip)
-        tis_clipped_BT = (raw_w_BT > tis_clip) | (raw_w_BT < tis_clip_low)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+    # Masked positions may hold anything (padding, -inf): zero them so no inf/nan leaks
+    # into the sums through 0 · inf.
+    anchor_BT = torch.where(mask_BT, anchor_logprobs.detach().to(dtype), zero)
+    behavior_BT = torch.where(mask_BT, behavior_logprobs.detach().to(dtype), zero)
+    # The behaviour gap in float64: exp(a − b) can be large before any clamp.
+    log_rho_BT = torch.where(mask_BT, anchor_logprobs.detach().double()
+                             - behavior_logprobs.detach().double(), 0.0)
+    w_BT, accepted_BT = behaviour_weight(corr, log_rho_BT, mask_BT, use_tis, tis_clip,
+                                         tis_clip_low)
+    x = _Batch(torch.where(mask_BT, logprobs.to(dtype), zero), anchor_BT, behavior_BT,
+               torch.where(mask_BT, adv_BT.detach().to(dtype), zero), mask_BT, w_BT.to(dtype),
+               accepted_BT)
+    kind = corr.policy_loss
+    if kind in ("ppo_tis", "decoupled_ppo"):
+        out = _ppo(x, eps_clip, eps_clip_high)
+    elif kind == "gspo":
+        out = _gspo(x, corr)
+    elif kind == "cispo":
+        out = _cispo(x, corr)
     else:
-        w_BT = torch.ones_like(raw_w_BT)
-        tis_clipped_BT = torch.zeros_like(mask_BT)
+        out = _m2po(x, corr, log_rho_BT)
+    loss_BT, ratio_BT, clipped_BT, weight_BT, kept_BT = out
+    token_loss_BT = torch.where(mask_BT, loss_BT, zero)
+    return PolicyTerms(token_loss_BT, ratio_BT.detach()[mask_BT].double(),
+                       _sums(corr, x, token_loss_BT, clipped_BT, log_rho_BT, kept_BT,
+                             weight_BT, use_tis, tis_clip, tis_clip_low),
+                       _maxes(ratio_BT.detach()[mask_BT].double()))
 
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - eps_clip, 1.0 + eps_clip_high)
-    pg_BT = torch.maximum(unclipped_BT, clipped_BT)  # −min(r·A, clip(r)·A)
-    token_loss_BT = torch.where(mask_BT, w_BT.to(compute_dtype) * pg_BT, zero)
 
-    maskd = mask_BT.double()
+def _sums(corr: Corrections, x: _Batch, token_loss_BT: Tensor, clipped_BT: Tensor,
+          log_rho_BT: Tensor, kept_BT: Tensor, weight_BT: Tensor, use_tis: bool,
+          tis_clip: float, tis_clip_low: float) -> dict[str, Tensor]:
     with torch.no_grad():
-        ratios_N = ratio_BT.detach()[mask_BT].double()
-        sums = {
-            "tokens": maskd.sum(),
+        sums = gap_stats(log_rho_BT, x.mask, kept_BT, x.adv, weight_BT.detach())
+        truncates = (use_tis and corr.policy_loss in ("ppo_tis", "gspo")
+                     and corr.is_mask in ("none", "geo_rs"))
+        rho_BT = torch.exp(log_rho_BT)
+        tis_clipped = ((rho_BT > tis_clip) | (rho_BT < tis_clip_low)) & x.mask
+        sums.update({
+            "loss_units": sums["sequences"] if corr.sequence_mean else sums["tokens"],
             "loss_sum": token_loss_BT.detach().double().sum(),
-            "ppo_clipped": ((clipped_BT > unclipped_BT) & mask_BT).double().sum(),
-            "tis_clipped": (tis_clipped_BT & mask_BT).double().sum(),
-            "tis_w_sum": (w_BT * maskd).sum(),
-            "tis_w_sq_sum": (w_BT * w_BT * maskd).sum(),
-            "abs_mismatch_sum": ab_BT.abs().sum(),
-            # k3 estimator of KL(behaviour ‖ anchor) from tokens sampled by the behaviour
-            # policy: ρ − 1 − log ρ with ρ = exp(a − b). Unbiased and never negative.
-            "kl_sum": ((raw_w_BT - 1.0 - ab_BT) * maskd).sum(),
-        }
-        ratio_max = ratios_N.max() if ratios_N.numel() else torch.zeros((), dtype=torch.float64)
-        maxes = {"ratio_max": ratio_max}
-    return PolicyTerms(token_loss_BT, ratios_N, sums, maxes)
+            "ppo_clipped": clipped_BT.double().sum(),
+            "tis_clipped": tis_clipped.double().sum() if truncates else torch.zeros(
+                (), dtype=torch.float64, device=log_rho_BT.device),
+        })
+    assert set(sums) == set(SUM_STATS), sorted(set(SUM_STATS) ^ set(sums))
+    return sums
 
 
-def ratio_quantile(ratios_N: Tensor, q: float = 0.99) -> float:
-    """The q-quantile of the PPO ratios (0.0 when there are none)."""
-    if ratios_N.numel() == 0:
-        return 0.0
-    return float(torch.quantile(ratios_N.double().cpu(), q))
-
-
-def metrics_from_stats(sums: Mapping[str, float], maxes: Mapping[str, float],
-                       ratio_p99: float) -> dict[str, float]:
-    """`train/*` metrics from (reduced) sums and maxima. All zeros when there are no tokens."""
-    n = float(sums["tokens"])
-    if n <= 0:
-        return {"train/loss": 0.0, "train/ppo_clip_fraction": 0.0,
-                "train/tis_clip_fraction": 0.0, "train/tis_ess_ratio": 0.0,
-                "train/ratio_p99": 0.0, "train/ratio_max": 0.0,
-                "train/logprob_mismatch": 0.0, "train/logprob_kl": 0.0}
-    w_sum, w_sq = float(sums["tis_w_sum"]), float(sums["tis_w_sq_sum"])
-    return {
-        "train/loss": float(sums["loss_sum"]) / n,
-        "train/ppo_clip_fraction": float(sums["ppo_clipped"]) / n,
-        "train/tis_clip_fraction": float(sums["tis_clipped"]) / n,
-        # (Σw)² / (N·Σw²): 1 when all weights are equal, → 1/N when one token dominates.
-        "train/tis_ess_ratio": (w_sum * w_sum) / (n * w_sq) if w_sq > 0 else 0.0,
-        "train/ratio_p99": float(ratio_p99),
-        "train/ratio_max": float(maxes["ratio_max"]),
-        "train/logprob_mismatch": float(sums["abs_mismatch_sum"]) / n,
-        "train/logprob_kl": float(sums["kl_sum"]) / n,
-    }
+def _maxes(ratios_N: Tensor) -> dict[str, Tensor]:
+    top = ratios_N.max() if ratios_N.numel() else torch.zeros((), dtype=torch.float64)
+    return {"ratio_max": top}
 
 
 def policy_loss(logprobs: Tensor, anchor_logprobs: Tensor, behavior_logprobs: Tensor,
                 advantages: Tensor, mask: Tensor, eps_clip: float = 0.2,
                 eps_clip_high: float = 0.2, tis_clip: float = 2.0, tis_clip_low: float = 0.0,
-                use_tis: bool = True) -> tuple[Tensor, dict[str, float]]:
-    """SPEC §8 loss on [batch, tokens] tensors: (token-mean loss, `train/*` metrics).
+                use_tis: bool = True, corrections: Corrections | None = None
+                ) -> tuple[Tensor, dict[str, float]]:
+    """One batch's loss (the configured objective over its own tokens or sequences) and its
+    `train/*` metrics (rl_async/algo/loss_metrics.py).
 
     `advantages` is [batch, tokens] or [batch] (broadcast over the tokens). `mask` is 1 at
     response tokens and 0 at prompt and padding. `anchor_logprobs` and `behavior_logprobs`
-    are treated as constants. Metrics are plain floats:
-
-    - `train/ppo_clip_fraction`: tokens where the clipped PPO term is the binding one;
-    - `train/tis_clip_fraction`: tokens whose exp(a − b) lies outside [tis_clip_low, tis_clip];
-    - `train/tis_ess_ratio`: (Σw)² / (N·Σw²) over the N unmasked tokens;
-    - `train/ratio_p99`, `train/ratio_max`: tails of the PPO ratio r;
-    - `train/logprob_mismatch`: mean |a − b|;
-    - `train/logprob_kl`: mean k3 estimate of KL(behaviour ‖ anchor), exp(a−b) − 1 − (a−b).
-
-    With no unmasked token the loss is 0 (still connected to `logprobs`) and metrics are 0.
+    are treated as constants. With no unmasked token the loss is 0 (still connected to
+    `logprobs`) and metrics are 0.
     """
+    corr = corrections or DEFAULT
     terms = policy_terms(logprobs, anchor_logprobs, behavior_logprobs, advantages, mask,
-                         eps_clip, eps_clip_high, tis_clip, tis_clip_low, use_tis)
-    n_tokens = float(terms.sums["tokens"])
-    loss = terms.token_loss_BT.sum() / max(n_tokens, 1.0)
+                         eps_clip, eps_clip_high, tis_clip, tis_clip_low, use_tis, corr)
+    units = float(terms.sums["loss_units"])
+    loss = terms.token_loss_BT.sum() / max(units, 1.0)
     metrics = metrics_from_stats({k: float(v) for k, v in terms.sums.items()},
                                  {k: float(v) for k, v in terms.maxes.items()},
                                  ratio_quantile(terms.ratios_N))

@@ -83,6 +83,9 @@ class Group:
     arrival_seq: int = -1
     # Filled in when the group is delivered: its age at dequeue (None = unknown).
     age_at_delivery: int | None = None
+    # The trainer's version when the group entered the completed buffer: the age it had
+    # then came from generation (in flight), the rest from waiting (in queue).
+    version_at_insert: int | None = None
 
     @property
     def size(self) -> int:
@@ -103,6 +106,11 @@ class Group:
         A smaller sum means larger summed staleness. Samples without versions add nothing.
         """
         return sum(v for v in (s.oldest_version() for s in self.samples) if v is not None)
+
+    def newest_version(self) -> int | None:
+        """max of every recorded token version; None = unknown."""
+        versions = [max(s.token_versions) for s in self.samples if s.token_versions]
+        return max(versions) if versions else None
 
     def age(self, current_version: int) -> int | None:
         """`current_version - oldest token version`; None when the age is unknown.

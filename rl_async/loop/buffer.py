@@ -27,14 +27,14 @@ compacted when dead entries outnumber live ones.
 
 from __future__ import annotations
 
-import math
-
-import heapq
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
 from rl_async.base.waiters import Waiters as _Waiters
+from rl_async.loop.admission import AdmissionBound, AdmissionGate, admission_for
+from rl_async.loop.buffer_index import ResidentGroups
 from rl_async.base.clock import now as clock_now
 from rl_async.observe.queue_metrics import QueueMetrics
 from rl_async.base.types import Group
@@ -46,11 +46,6 @@ DISCARD_STALE = "stale"
 EVICT_STALE = "evicted_stale"
 EVICT_OVERFLOW = "evicted_overflow"
 
-# (1 if unknown age else 0, oldest version, summed oldest versions, arrival seq)
-_Rank = tuple[int, int, int, int]
-_COMPACT_SLACK = 64
-
-
 class BufferClosedError(RuntimeError):
     """put/get on a closed buffer; the message carries the reason given to `close`."""
 
@@ -58,17 +53,11 @@ class BufferClosedError(RuntimeError):
 class _Take:
     """Groups a pending `get` has taken, with their ages; `drain_all` may reclaim them."""
 
-    __slots__ = ("items",)
+    __slots__ = ("items", "wanted")
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: int = 0) -> None:
         self.items: list[tuple[Group, int | None]] = []
-
-
-def _rank_key(group: Group, seq: int) -> _Rank:
-    oldest = group.oldest_version()
-    if oldest is None:
-        return (1, 0, 0, seq)
-    return (0, oldest, group.summed_oldest_versions(), seq)
+        self.wanted = wanted
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
@@ -91,6 +80,8 @@ class CompletedBuffer:
         on_insert: Callable[[Group], None] | None = None,
         on_deliver: Callable[[list[Group]], None] | None = None,
         clock: Callable[[], float] = clock_now,
+        admission: AdmissionBound | None = None,
+        hold_back_groups: int = 0,
     ) -> None:
         if isinstance(capacity_groups, int) and not isinstance(capacity_groups, bool) \
                 and capacity_groups == 0:
@@ -109,19 +100,20 @@ class CompletedBuffer:
         self._order, self._overflow = order, overflow
         self._on_discard, self._on_insert, self._on_deliver = on_discard, on_insert, on_deliver
         self._clock = clock
-        self._groups: dict[int, tuple[Group, _Rank]] = {}  # arrival seq -> resident group
+        # async.hold_back_collections: a get leaves this many groups behind what it takes
+        self._hold_back = _check_int("hold_back_groups", hold_back_groups, 0)
+        self._groups = ResidentGroups(order)  # by arrival order and by eviction rank
         self._keys: set[tuple[str, int]] = set()  # (group_id, attempt) resident or taken
-        self._order_heap: list[int] = []  # seq (fifo) or -seq (lifo); lazily deleted
-        self._rank_heap: list[_Rank] = []  # lazily deleted
         self._seq = itertools.count()
-        self._known_n = 0  # resident groups of known age, and the sum of their oldest versions
-        self._known_sum = 0
         self._version = 0
         self._reserve = 0
         self._closed: str | None = None
         self._putters, self._getters = _Waiters(), _Waiters()
         self._takes: set[_Take] = set()
         self._metrics = QueueMetrics()
+        # async.staleness_bound = "admission": producers take tickets here (loop/admission.py)
+        self.admission = None if admission is None else AdmissionGate(
+            admission, self._ahead, self._starving)
 
     # --- properties -----------------------------------------------------------------------
     def __len__(self) -> int:
@@ -172,8 +164,12 @@ class CompletedBuffer:
         if self._on_insert is not None:
             self._on_insert(group)
         self._keys.add(key)
+        # engines never run ahead of the trainer; max() only guards a version not yet told
+        group.version_at_insert = max(self._version, group.newest_version() or 0)
+        if self.admission is not None:
+            self.admission.bound.inserted()
         self._insert(group, next(self._seq))
-        self._metrics.record_entered()
+        self._metrics.record_entered(group)
         self._getters.wake_all()
         if self._overflow == "evict":
             self._evict_to_limit()
@@ -184,9 +180,33 @@ class CompletedBuffer:
             return math.inf
         return max(0, self._limit() - len(self._groups))
 
-    def set_version(self, version: int) -> None:
-        """The controller's latest policy version (the threshold of stale eviction)."""
+    def set_version(self, version: int, engine_version: int | None = None) -> None:
+        """The controller's latest policy version (the threshold of stale eviction) and, when
+        it knows, the version every engine now holds (the admission bound's floor)."""
         self._advance_version(version, "set_version")
+        if self.admission is not None:
+            self.admission.bound.set_trainer_version(version)
+            if engine_version is not None:
+                self.admission.bound.set_engine_version(engine_version)
+            self.admission.wake()
+
+    # --- admission (async.staleness_bound = "admission") ---------------------------------
+    async def admit(self, n_groups: int) -> int:
+        """Tickets for up to `n_groups` new groups, waiting until one fits the lag."""
+        return await self.admission.admit(n_groups, lambda: self._raise_if_closed("admit"))
+
+    def release(self, n_groups: int) -> None:
+        """Tickets of groups that will never be inserted (filtered, aborted, failed)."""
+        self.admission.release(n_groups)
+
+    def _ahead(self) -> int:
+        return len(self._groups) + self.held + self.admission.bound.tickets
+
+    def _starving(self) -> int:
+        """Groups pending gets still miss with nothing buffered or in flight to fill them."""
+        if self._groups or self.admission.bound.tickets:
+            return 0
+        return sum(max(0, t.wanted - len(t.items)) for t in self._takes)
 
     def reserve(self, n_groups: int) -> None:
         """Add room for `n_groups` MORE completions a producer already owns (lifecycle
@@ -214,15 +234,22 @@ class CompletedBuffer:
         self._advance_version(current_version, "get")
         self._raise_if_closed("get")
         start = self._clock()
-        take = _Take()
+        take = _Take(n_groups)
         self._takes.add(take)
+        if self.admission is not None:
+            self.admission.bound.get_started(current_version)
         try:
             while True:
                 self._take_eligible(take, n_groups, current_version)
                 if len(take.items) >= n_groups:
                     # what stays behind after this drain, aged at the get's version
                     self._record_resident_staleness(current_version)
-                    return self._deliver(take)
+                    groups = self._deliver(take)
+                    if self.admission is not None:
+                        self.admission.bound.get_returned(current_version)
+                    return groups
+                if self.admission is not None:
+                    self.admission.wake()  # a starving get may unlock admission
                 await self._getters.wait()
                 self._raise_if_closed("get")
         except BaseException:
@@ -246,10 +273,12 @@ class CompletedBuffer:
         self._closed = str(reason)
         self._putters.wake_all()
         self._getters.wake_all()
+        if self.admission is not None:
+            self.admission.wake()
 
     def drain_all(self) -> list[Group]:
         """Remove and return every group, resident or held by a pending get, in arrival order."""
-        out = [group for group, _ in self._groups.values()]
+        out = list(self._groups.groups())
         for take in self._takes:
             out.extend(group for group, _ in take.items)
             take.items.clear()  # the pending get must not put them back
@@ -257,9 +286,6 @@ class CompletedBuffer:
             group.age_at_delivery = None
         self._groups.clear()
         self._keys.clear()
-        self._order_heap.clear()
-        self._rank_heap.clear()
-        self._known_n = self._known_sum = 0
         self._wake_putters()
         return sorted(out, key=lambda g: g.arrival_seq)
 
@@ -283,65 +309,25 @@ class CompletedBuffer:
             )
         self._version = version
 
-    def _order_key(self, seq: int) -> int:
-        return seq if self._order == "fifo" else -seq
-
     def _insert(self, group: Group, seq: int) -> None:
-        group.arrival_seq = seq
-        rank = _rank_key(group, seq)
-        self._groups[seq] = (group, rank)
-        heapq.heappush(self._order_heap, self._order_key(seq))
-        heapq.heappush(self._rank_heap, rank)
-        if rank[0] == 0:
-            self._known_n += 1
-            self._known_sum += rank[1]
-
-    def _remove(self, seq: int) -> Group:
-        group, rank = self._groups.pop(seq)
-        if rank[0] == 0:
-            self._known_n -= 1
-            self._known_sum -= rank[1]
-        return group
-
-    def _peek_order(self) -> int | None:
-        heap = self._order_heap
-        while heap and abs(heap[0]) not in self._groups:
-            heapq.heappop(heap)
-        return abs(heap[0]) if heap else None
-
-    def _rank_top(self) -> _Rank | None:
-        heap = self._rank_heap
-        # A live seq may appear twice after a restore; either entry ranks it identically.
-        while heap and heap[0][3] not in self._groups:
-            heapq.heappop(heap)
-        return heap[0] if heap else None
-
-    def _compact(self) -> None:
-        """Rebuild a heap once dead entries outnumber live ones (amortised O(1) per removal)."""
-        live = len(self._groups)
-        if len(self._order_heap) > 2 * live + _COMPACT_SLACK:
-            self._order_heap = [self._order_key(seq) for seq in self._groups]
-            heapq.heapify(self._order_heap)
-        if len(self._rank_heap) > 2 * live + _COMPACT_SLACK:
-            self._rank_heap = [rank for _, rank in self._groups.values()]
-            heapq.heapify(self._rank_heap)
+        self._groups.insert(group, seq)
 
     def _wake_putters(self) -> None:
         self._putters.wake(max(0, self._limit() - len(self._groups)))
+        if self.admission is not None:  # fewer groups ahead: maybe room to admit
+            self.admission.wake()
 
     def _is_stale(self, age: int | None) -> bool:
         return self._max_lag is not None and age is not None and age > self._max_lag
 
     def _take_eligible(self, take: _Take, n_groups: int, version: int) -> None:
         try:
-            while len(take.items) < n_groups:
-                seq = self._peek_order()
+            while len(take.items) < n_groups and len(self._groups) > self._hold_back:
+                seq = self._groups.peek_order()
                 if seq is None:
                     return
-                group = self._groups[seq][0]
-                age = group.age(version)  # may raise (token newer than version): nothing moved yet
-                heapq.heappop(self._order_heap)
-                self._remove(seq)
+                age = self._groups.group(seq).age(version)  # may raise: nothing moved yet
+                group = self._groups.pop_order()
                 if self._is_stale(age):
                     self._keys.discard((group.group_id, group.attempt))
                     self._metrics.record_dropped(group, age)
@@ -350,7 +336,7 @@ class CompletedBuffer:
                 else:
                     take.items.append((group, age))
         finally:
-            self._compact()
+            self._groups.compact()
             self._wake_putters()
 
     def _deliver(self, take: _Take) -> list[Group]:
@@ -379,26 +365,32 @@ class CompletedBuffer:
             return
         if self._max_lag is not None:
             threshold = self._version - self._max_lag  # beyond the lag: oldest < threshold
-            while (top := self._rank_top()) is not None and top[0] == 0 and top[1] < threshold:
-                self._evict(top, stale=True)
+            while ((top := self._groups.rank_top()) is not None and top[0] == 0
+                   and top[1] < threshold):
+                self._evict(stale=True)
         while len(self._groups) > limit:
-            top = self._rank_top()
-            assert top is not None, "over the limit with no live rank entry"
-            self._evict(top, stale=False)
-        self._compact()
+            assert self._groups.rank_top() is not None, "over the limit with no live rank entry"
+            self._evict(stale=False)
+        self._groups.compact()
 
-    def _evict(self, rank: _Rank, stale: bool) -> None:
-        heapq.heappop(self._rank_heap)
-        group = self._remove(rank[3])
+    def _evict(self, stale: bool) -> None:
+        group = self._groups.pop_rank()
         self._keys.discard((group.group_id, group.attempt))
         self._metrics.record_evicted(stale)
         if self._on_discard is not None:
             self._on_discard(group, EVICT_STALE if stale else EVICT_OVERFLOW)
 
     def _record_resident_staleness(self, version: int) -> None:
-        top = self._rank_top()
-        if self._known_n == 0 or top is None or top[0] != 0:
+        top, g = self._groups.rank_top(), self._groups
+        if g.known_n == 0 or top is None or top[0] != 0:
             self._metrics.record_resident_staleness(0.0, 0)
             return
-        avg = version - self._known_sum / self._known_n
+        avg = version - g.known_sum / g.known_n
         self._metrics.record_resident_staleness(max(0.0, avg), max(0, version - top[1]))
+
+
+def buffer_options(cfg: Any, plan: Any) -> dict[str, Any]:
+    """The CompletedBuffer settings of a run beyond its capacity and lag (each actor system,
+    real or simulated, builds its buffer with these)."""
+    return {"order": cfg.async_.buffer_order, "overflow": cfg.async_.buffer_overflow,
+            "admission": admission_for(plan), "hold_back_groups": plan.hold_back_groups}

@@ -20,14 +20,17 @@ from typing import Any, Callable, Protocol
 
 from rl_async.base import clock
 from rl_async.observe.calibration import CalibrationStats
-from rl_async.observe.queue_metrics import COMPLETED_QUEUE_PREFIX
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.plan.schedule import generates_per_collection, publication_overlaps_training
 from rl_async.loop.faults import quote
+from rl_async.loop.health import health_for
 from rl_async.loop.progress import (CUMULATIVE, Progress, cumulative_state,
                                     orchestration_metrics)
+from rl_async.loop.run_summary import run_summary
+from rl_async.observe.offpolicy import OffPolicyStats
 from rl_async.observe.provenance import ProvenanceTotals
+from rl_async.observe.staleness import StalenessSplit
 from rl_async.loop.publish import PublicationOps, Publisher
 from rl_async.loop.threads import balancer_for, usage_from
 from rl_async.base.types import Group
@@ -44,8 +47,10 @@ class Fleet(PublicationOps, Protocol):
     async def producer_resume_admission(self) -> None: ...
     async def producer_wait_idle(self, timeout_s: float) -> bool: ...
     async def producer_stop(self) -> None: ...
+    async def producer_set_budget(self, groups: int) -> None: ...
     async def get_groups(self, n: int, version: int) -> list[Group]: ...
-    async def buffer_set_version(self, version: int) -> None: ...
+    async def buffer_set_version(self, version: int,
+                                 engine_version: int | None = None) -> None: ...
     async def buffer_reserve(self, n_groups: int) -> None: ...
     async def producer_groups_owned(self) -> int: ...
     async def train(self, groups: list[Group], version: int) -> dict[str, float]: ...
@@ -87,9 +92,12 @@ class Controller:
         # What `rl-async simulate --calibrate` reads back from the summary.
         self.calibration = CalibrationStats()
         self.provenance = ProvenanceTotals()  # run.audit_fraction's findings
+        self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
+        self.staleness = StalenessSplit()
+        self.health = health_for(cfg, plan)  # async.health_control (loop/health.py)
         self.watchdog_s = watchdog_s
         self._producer: asyncio.Future | None = None
-        self._start = 0.0
+        self.started = 0.0
         # Set by a graceful stop request: finish the current collection, drain, summarise.
         self.stop_requested = False
         self._pub_task: asyncio.Future | None = None
@@ -103,7 +111,7 @@ class Controller:
 
     async def run(self) -> dict[str, Any]:
         # a resumed run's clock continues where its checkpoint left it
-        self._start = clock.now() - float(self._resumed.get("wall_seconds", 0.0))
+        self.started = clock.now() - float(self._resumed.get("wall_seconds", 0.0))
         p = self.progress
         p.phase = "eval"
         started_at = await self._evaluate()
@@ -157,6 +165,10 @@ class Controller:
         if "trainer/threads" in train_metrics:  # CPU trainers report theirs (replay uses it)
             info["trainer_threads"] = int(train_metrics["trainer/threads"])
         await self.fleet.record_trained(p.step, trained_at, groups, info)
+        # The buffer stamps each arriving group with the trainer's version (the in-flight /
+        # in-queue split of its age): tell it the new one now, not at the next get.
+        await self.fleet.buffer_set_version(self.version)
+        health = await self._health(train_metrics, p.step)
         pub_start = clock.now()
         # Actor metrics are gathered while the publication snapshots (one round trip each,
         # slow when actors are busy): the loop does not pay for them in turn.
@@ -164,8 +176,9 @@ class Controller:
         # publication.every_updates: publish once the trainer is that many updates past the
         # engines. Each publication drains the engines (no new request until in-flight ones
         # finish); validate keeps the spacing within the lag (plan/schedule.py).
-        due = self.version - self._published >= self.cfg.publication.every_updates
-        pub_metrics = {"publish/skipped": float(not due)}
+        every = self.health.current_every if self.health else self.cfg.publication.every_updates
+        due = self.version - self._published >= every
+        pub_metrics = {"publish/skipped": float(not due), **health}
         if due:
             pub_metrics.update(await self._publish(self.version))
         pub_s = clock.now() - pub_start
@@ -175,12 +188,15 @@ class Controller:
                    # the gather's time, and what of it the loop waited beyond the publication
                    "perf/metrics_gather_seconds": gather_s,
                    "perf/metrics_wait_seconds_per_step": max(0.0, gather_s - pub_s) / updates}
-        metrics.update(self._collection_metrics(groups, wait))
-        self._count_discards(metrics)
+        metrics.update(self.staleness.observe(groups))
+        metrics.update(p.collection_metrics(groups, wait, self.version,
+                                            clock.now() - self.started))
+        p.count_discards(metrics)
         metrics.update(orchestration_metrics(clock.now() - wait_start, wait, train_s,
                                              pub_s, self.plan.optimizer_steps_per_collection))
         self.calibration.observe_collection(groups, train_s)
         self.calibration.observe_metrics(metrics)
+        self.offpolicy.observe(metrics)
         self._loop_s += clock.now() - wait_start
         if self.threads is not None:
             await self._balance_threads(metrics)
@@ -191,6 +207,16 @@ class Controller:
         ce = self.cfg.run.checkpoint_every
         if ce and p.step % ce == 0:
             await self._checkpoint()
+
+    async def _health(self, train_metrics: dict[str, float], step: int) -> dict[str, float]:
+        """async.health_control: this collection's verdict and decisions (loop/health.py)."""
+        if self.health is None:
+            return {}
+        decisions = self.health.observe(train_metrics, step)
+        if any(d["action"] in ("lower_budget", "raise_budget") for d in decisions):
+            await self._bounded(self.fleet.producer_set_budget(self.health.current_budget),
+                                "setting the producer budget")
+        return self.health.metrics(decisions)
 
     async def _balance_threads(self, metrics: dict[str, float]) -> None:
         split = self.threads.observe(usage_from(metrics, self.cfg.cluster.trainer_workers,
@@ -214,7 +240,7 @@ class Controller:
         previous = await self._finish_publication()
         self._published = version
         snapshotted = asyncio.Event()
-        task = asyncio.ensure_future(self.publisher.publish(version, self.fleet, snapshotted))
+        task = asyncio.ensure_future(self._publish_and_land(version, snapshotted))
         waiter = asyncio.ensure_future(snapshotted.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -224,6 +250,14 @@ class Controller:
         if not self._overlap_publication:
             return await self._finish_publication()
         return previous
+
+    async def _publish_and_land(self, version: int, snapshotted: asyncio.Event):
+        """One publication; the moment it lands the buffer learns the engines' version (the
+        admission bound's floor), not when the controller next awaits it (a collection
+        later when publications overlap training)."""
+        result = await self.publisher.publish(version, self.fleet, snapshotted)
+        await self.fleet.buffer_set_version(self.version, version)
+        return result
 
     async def _land_current_version(self) -> None:
         """Publish the trainer's version if a cadence skipped it (publication.every_updates),
@@ -239,39 +273,7 @@ class Controller:
         task, self._pub_task = self._pub_task, None
         if task is None:
             return {}
-        result = await task
-        # The buffer judges ages against the trainer's latest version, which a skipped
-        # publication (publication.every_updates) leaves ahead of the one that just landed.
-        await self.fleet.buffer_set_version(self.version)
-        return result.metrics()
-
-    def _collection_metrics(self, groups: list[Group], wait: float) -> dict[str, float]:
-        p = self.progress
-        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
-        ages = [g.age_at_delivery for g in groups if g.age_at_delivery is not None]
-        tokens = sum(g.response_tokens for g in groups)
-        p.version = self.version
-        p.reward = sum(rewards) / max(1, len(rewards))
-        p.staleness = sum(ages) / len(ages) if ages else 0.0
-        p.max_staleness = max([p.max_staleness, *ages])
-        p.staleness_sum += sum(ages)
-        p.staleness_groups += len(ages)
-        p.trainer_wait_seconds += wait
-        p.useful_tokens += tokens
-        elapsed = max(1e-9, clock.now() - self._start)
-        return {"rollout/reward_mean": p.reward, "train/trainer_wait_seconds": wait,
-                "perf/useful_tokens_per_s": p.useful_tokens / elapsed,
-                "perf/trainer_wait_fraction": p.trainer_wait_seconds / elapsed,
-                "policy/version": float(self.version)}
-
-    def _count_discards(self, metrics: dict[str, float]) -> None:
-        """The run's discard fraction so far (the progress line's), from the buffer's
-        windowed counts that this collection's metrics carry."""
-        p = self.progress
-        p.dropped_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "dropped_samples", 0))
-        p.delivered_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "delivered_samples", 0))
-        decided = p.dropped_samples + p.delivered_samples
-        p.discard_fraction = p.dropped_samples / decided if decided else 0.0
+        return (await task).metrics()
 
     async def _get_collection(self) -> list[Group]:
         """Wait for a collection while watching the producer: a dead producer (or an engine,
@@ -349,7 +351,7 @@ class Controller:
                 self.threads.interrupt()
             self.checkpoint_dir = await self._bounded(
                 self.fleet.checkpoint(p.step, self.version,
-                                      cumulative_state(p, clock.now() - self._start)),
+                                      cumulative_state(p, clock.now() - self.started)),
                 f"the checkpoint of step {p.step}")
             self._checkpoint_step = p.step
 
@@ -364,7 +366,7 @@ class Controller:
                             f"run.stall_timeout_s = {self.cfg.run.stall_timeout_s:g} s; what "
                             f"each stage holds: {await self.fleet.diagnosis()}") from None
         seconds = clock.now() - start
-        wall = clock.now() - self._start
+        wall = clock.now() - self.started
         self.calibration.observe_eval(seconds)
         p.eval_curve.append([p.step, round(wall, 3), result["reward"]])
         p.eval_first = p.eval_first or dict(result)
@@ -390,30 +392,4 @@ class Controller:
         await self.fleet.producer_stop()
 
     async def summary(self) -> dict[str, Any]:
-        p = self.progress
-        wall = clock.now() - self._start
-        return {
-            "run": {"name": self.cfg.run.name, "seed": self.cfg.run.seed,
-                    "mode": "async" if self.cfg.fully_async else "sync",
-                    "max_weight_staleness": self.plan.max_weight_staleness},
-            "steps": p.step, "policy_version": self.version, "wall_seconds": wall,
-            "eval": {"initial_reward": p.initial_eval, "final_reward": p.final_eval,
-                     **{k: v for k, v in p.eval_last.items() if k != "reward"},
-                     "initial": p.eval_first, "curve": p.eval_curve},
-            "ledger": await self.fleet.ledger(),
-            "faults": {**await self.fleet.faults(), "nonfinite_updates": p.nonfinite_updates},
-            "rollout": await self.fleet.rollout(),
-            "publication": self.publisher.summary(),
-            "provenance": self.provenance.summary(),
-            "export_dir": (f"{self.checkpoint_dir}/hf" if self.checkpoint_dir else None),
-            "staleness": {"max_delivered": p.max_staleness,
-                          "mean_delivered": p.staleness_sum / max(1, p.staleness_groups),
-                          "max_weight_staleness": self.plan.max_weight_staleness},
-            "throughput": {"useful_tokens_per_s": p.useful_tokens / max(wall, 1e-9),
-                           "trained_samples": p.trained_samples,
-                           "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
-            "threads": self.threads.summary() if self.threads is not None else None,
-            "calibration": self.calibration.to_dict(
-                wall, self.plan.engines, self.plan.max_running_requests,
-                self.cfg.rollout.max_response_len, self.plan.producer_samples),
-        }
+        return await run_summary(self)

@@ -35,7 +35,8 @@ from rl_async.algo.seeding import sample_seed
 from rl_async.loop.trajectory import GroupSlot, TrajectoryRunner, turn_request
 # Re-exported: callers import the limits, stats and filter from here.
 from rl_async.loop.producer_types import ProducerLimits, ProducerStats, zero_variance  # noqa: F401
-from rl_async.loop.producer_types import OpenGroup as _OpenGroup
+from rl_async.loop.producer_types import OpenGroup
+from rl_async.loop.producer_admission import AdmissionMixin
 from rl_async.base.types import Group, Sample
 
 # Tries of one multi-turn trajectory's turn after an engine aborted it, before the trajectory
@@ -43,7 +44,7 @@ from rl_async.base.types import Group, Sample
 TURN_RETRIES = 3
 
 
-class Producer:
+class Producer(AdmissionMixin):
     def __init__(self, limits: ProducerLimits, *,
                  next_group: Callable[[], Awaitable[Group]],
                  generate: Callable[[Sample, str], Awaitable[GenerateOutput]],
@@ -58,7 +59,9 @@ class Producer:
                  next_groups: Callable[[int], Awaitable[list[Group]]] | None = None,
                  max_fetch_groups: int = 8,
                  engine_ready: Callable[[], Awaitable[None]] | None = None,
-                 seed: int | None = None, trajectory: TrajectoryRunner | None = None):
+                 seed: int | None = None, trajectory: TrajectoryRunner | None = None,
+                 admit: Callable[[int], Awaitable[int]] | None = None,
+                 release: Callable[[int], Awaitable[None]] | None = None):
         if limits.producer_samples < limits.group_size or limits.producer_samples % limits.group_size:
             raise ValueError(f"producer budget {limits.producer_samples} must be a positive whole "
                              f"number of groups of {limits.group_size}")
@@ -71,6 +74,13 @@ class Producer:
         self._filter_group, self._on_filtered = filter_group, on_filtered
         self._budget_of_failures = failure_budget
         self._engine_ready = engine_ready
+        # async.staleness_bound = "admission": tickets from the completed buffer before a
+        # group opens, given back for groups never inserted (loop/producer_admission.py)
+        if (admit is None) != (release is None):
+            raise ValueError("Producer: pass both admit and release, or neither")
+        self._admit, self._release = admit, release
+        self._woken = asyncio.Event()  # stop or a fatal error: leave a wait on the bound
+        self._now = clock.now
         # With a run seed, every sample carries its own sampling seed (rl_async.algo.seeding), so
         # its tokens do not depend on arrival order; None leaves it to the engine's stream.
         self._seed = seed
@@ -82,7 +92,7 @@ class Producer:
         # exceeds the free budget (in whole groups) or a sync-mode target, so no more groups
         # are owned than could be submitted now. Fetched groups are opened (in flight) at once.
         self._next_groups, self._max_fetch = next_groups, max(1, max_fetch_groups)
-        self._ready: deque[_OpenGroup] = deque()
+        self._ready: deque[OpenGroup] = deque()
         self._budget = asyncio.Semaphore(limits.producer_samples)
         self._gen_sem = asyncio.Semaphore(limits.http_slots)
         self._gate = asyncio.Event()        # admission of new groups
@@ -98,7 +108,7 @@ class Producer:
         # nothing: 0, every pending put may be waiting). Pending puts beyond it may be
         # waiting for room, and then no new group is opened (SPEC §4).
         self._known_room: float = 0
-        self._open: _OpenGroup | None = None
+        self._open: OpenGroup | None = None
         self._groups_in_flight = 0
         self._samples_in_flight = 0
         self._busy_since = 0.0
@@ -111,14 +121,6 @@ class Producer:
         self.stats = ProducerStats()
 
     # ---- control (called by the controller) -------------------------------------------
-    def pause_admission(self) -> None:
-        """Lifecycle drain: open no new group. Groups already opened still finish (their
-        remaining siblings are submitted), so `wait_idle()` ends with nothing owned."""
-        self._gate.clear()
-
-    def resume_admission(self) -> None:
-        self._gate.set()
-
     def pause_generation(self) -> None:
         """Publication drain (refresh off): send no new generation request to any engine.
         Requests already sent finish under the weights they started with."""
@@ -157,14 +159,6 @@ class Producer:
         except asyncio.TimeoutError:
             return False
 
-    def set_target(self, groups: float) -> None:
-        """Synchronous mode: insert exactly this many more groups than every earlier target
-        asked for, then stop submitting. Cumulative, not relative to `inserted_groups`: the
-        controller may ask for the next collection before this producer has seen the reply
-        to the last put of the previous one."""
-        base = self._target if math.isfinite(self._target) else self.stats.inserted_groups
-        self._target = base + groups
-
     async def wait_idle(self) -> None:
         """Wait until no group is in flight (all inserted, aborted or failed)."""
         await self._idle.wait()
@@ -174,6 +168,7 @@ class Producer:
         self._stopped = True
         self._gate.set()
         self._gen_gate.set()
+        self._woken.set()
 
     @property
     def groups_owned(self) -> int:
@@ -203,56 +198,6 @@ class Producer:
     def _raise_fatal(self) -> None:
         if self._fatal is not None:
             raise self._fatal
-
-    async def _wait_admissible(self) -> bool:
-        """Gate open, no completed group waiting for buffer room, sync target not reached."""
-        while True:
-            await self._gate.wait()
-            await self._no_pending_put.wait()
-            if self._stopped or self._fatal is not None:
-                return False
-            if not self._gate.is_set():  # paused while waiting for buffer room
-                continue
-            if self.stats.inserted_groups + self._groups_in_flight < self._target:
-                return True
-            await asyncio.sleep(0.01)
-
-    async def _open_group(self) -> _OpenGroup | None:
-        if self._ready:  # fetched earlier, already owned: runs even while admission pauses
-            return self._ready.popleft()
-        if not await self._wait_admissible():
-            return None
-        # Counted before the fetch: the ledger issues the group(s) during it, so a drain
-        # that paused admission meanwhile waits for them too (not "idle" with a group half
-        # submitted), even if every other group finishes during the fetch.
-        self._groups_in_flight += 1
-        self._idle.clear()
-        try:
-            k = self._fetch_count()
-            start = clock.now()
-            groups = await self._next_groups(k) if k > 1 else [await self._next_group()]
-            self.stats.fetch_seconds += clock.now() - start
-            self.stats.fetches += 1
-            for group in groups:
-                if group.size != self.limits.group_size:
-                    raise ValueError(f"group {group.group_id!r} has {group.size} samples, "
-                                     f"expected rollout.n_samples_per_prompt = "
-                                     f"{self.limits.group_size}")
-        except BaseException:
-            self._group_done()
-            raise
-        self._groups_in_flight += len(groups) - 1
-        self._ready.extend(_OpenGroup(g) for g in groups[1:])
-        return _OpenGroup(groups[0])
-
-    def _fetch_count(self) -> int:
-        """Groups to open now: this one plus whole groups of free budget, within the target
-        (the one being fetched is already counted in flight)."""
-        if self._next_groups is None:
-            return 1
-        free = self._budget._value // self.limits.group_size  # CPython asyncio: free permits
-        room = self._target - self.stats.inserted_groups - (self._groups_in_flight - 1)
-        return int(max(1, min(self._max_fetch, 1 + free, room)))
 
     async def _admit_group(self) -> None:
         for _ in range(self.limits.group_size):
@@ -289,9 +234,10 @@ class Producer:
         if not task.cancelled() and task.exception() is not None and self._fatal is None:
             self._fatal = task.exception()
             self._gate.set()  # wake the admission loop so run() raises
+            self._woken.set()
 
     # ---- per-group / per-sample work ------------------------------------------------------
-    async def _run_group(self, og: _OpenGroup) -> None:
+    async def _run_group(self, og: OpenGroup) -> None:
         try:
             og.next_index = self.limits.group_size
             await asyncio.gather(*(self._run_sample(og, i) for i in range(self.limits.group_size)))
@@ -299,7 +245,7 @@ class Producer:
         finally:
             self._release_budget(self.limits.group_size)
 
-    async def _run_sample_backfill(self, og: _OpenGroup, index: int) -> None:
+    async def _run_sample_backfill(self, og: OpenGroup, index: int) -> None:
         try:
             await self._run_sample(og, index)
         finally:
@@ -307,7 +253,7 @@ class Producer:
         if og.done == self.limits.group_size:
             await self._finish(og)
 
-    async def _run_sample(self, og: _OpenGroup, index: int) -> None:
+    async def _run_sample(self, og: OpenGroup, index: int) -> None:
         sample = og.group.samples[index]
         try:
             if not (og.aborted or og.error):
@@ -328,7 +274,7 @@ class Producer:
         finally:
             og.done += 1
 
-    async def _run_trajectory(self, og: _OpenGroup, sample: Sample, index: int) -> None:
+    async def _run_trajectory(self, og: OpenGroup, sample: Sample, index: int) -> None:
         key = f"{og.group.group_id}/{index}"  # all turns on one engine (prefix reuse)
 
         async def turn(input_ids: list[int], max_new_tokens: int, t: int) -> GenerateOutput:
@@ -395,7 +341,7 @@ class Producer:
                 self.stats.transit_samples += 1
         return out
 
-    async def _generate_sample(self, og: _OpenGroup, sample: Sample) -> None:
+    async def _generate_sample(self, og: OpenGroup, sample: Sample) -> None:
         out = await self._request(sample, og.group.group_id)
         out.check(f"group {og.group.group_id!r}")
         sample.response_ids = list(out.output_ids)
@@ -412,7 +358,7 @@ class Producer:
         else:
             self.stats.generated_tokens += len(out.output_ids)
 
-    async def _finish(self, og: _OpenGroup) -> None:
+    async def _finish(self, og: OpenGroup) -> None:
         try:
             if og.error is not None:
                 self.stats.failed_groups += 1
@@ -431,7 +377,9 @@ class Producer:
                 self.stats.filtered_groups += 1
                 await self._on_filtered(og.group, reason)
             else:
-                await self._insert(og.group)
+                og.inserted = await self._insert(og.group)
+            if not og.inserted:
+                await self._give_back(1)  # never inserted: its admission ticket goes back
             if og.error is None and not og.aborted and self._budget_of_failures is not None:
                 self._budget_of_failures.record(False)
         finally:
@@ -442,7 +390,7 @@ class Producer:
         if self._groups_in_flight == 0:
             self._idle.set()
 
-    async def _insert(self, group: Group) -> None:
+    async def _insert(self, group: Group) -> bool:
         self._pending_puts += 1
         self._update_put_gate()
         start = clock.now()
@@ -450,6 +398,7 @@ class Producer:
             room = await self._put(group)
             self._known_room = room if isinstance(room, (int, float)) else 0
             self.stats.inserted_groups += 1
+            return True
         finally:
             self.stats.put_wait_seconds += clock.now() - start
             self._pending_puts -= 1

@@ -98,3 +98,4 @@ class OpenGroup:
     aborted: bool = False
     abort_reason: str = ""    # why, where a trajectory said (else a publication or shutdown)
     error: BaseException | None = None
+    inserted: bool = False    # entered the completed buffer

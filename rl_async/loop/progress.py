@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rl_async.base.types import Group
+from rl_async.observe.queue_metrics import COMPLETED_QUEUE_PREFIX
+
 
 @dataclass
 class Progress:
@@ -29,8 +32,38 @@ class Progress:
     staleness_sum: int = 0
     staleness_groups: int = 0
     nonfinite_updates: int = 0  # skipped by the trainer (rl_async/train/guard.py)
+    length_ks: float = 0.0  # rollout/length_ks as last reported (the run so far)
     phase: str = "starting"
     bound: str = ""  # which side bounds the loop, once measured (rl_async/loop/threads.py)
+
+    def collection_metrics(self, groups: list[Group], wait: float, version: int,
+                           elapsed: float) -> dict[str, float]:
+        """Count one trained collection; its rollout and perf rows."""
+        rewards = [s.reward for g in groups for s in g.samples if s.reward is not None]
+        ages = [g.age_at_delivery for g in groups if g.age_at_delivery is not None]
+        self.version = version
+        self.reward = sum(rewards) / max(1, len(rewards))
+        self.staleness = sum(ages) / len(ages) if ages else 0.0
+        self.max_staleness = max([self.max_staleness, *ages])
+        self.staleness_sum += sum(ages)
+        self.staleness_groups += len(ages)
+        self.trainer_wait_seconds += wait
+        self.useful_tokens += sum(g.response_tokens for g in groups)
+        elapsed = max(1e-9, elapsed)
+        return {"rollout/reward_mean": self.reward, "train/trainer_wait_seconds": wait,
+                "perf/useful_tokens_per_s": self.useful_tokens / elapsed,
+                "perf/trainer_wait_fraction": self.trainer_wait_seconds / elapsed,
+                "policy/version": float(version)}
+
+    def count_discards(self, metrics: dict[str, float]) -> None:
+        """The run's discard fraction so far (the progress line's), from the buffer's
+        windowed counts that this collection's metrics carry; and the run's length KS."""
+        self.dropped_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "dropped_samples", 0))
+        self.delivered_samples += int(metrics.get(COMPLETED_QUEUE_PREFIX + "delivered_samples",
+                                                  0))
+        decided = self.dropped_samples + self.delivered_samples
+        self.discard_fraction = self.dropped_samples / decided if decided else 0.0
+        self.length_ks = metrics.get("rollout/length_ks", self.length_ks)
 
 
 # What a checkpoint keeps of the progress, so that a resumed run's summary is the whole run's

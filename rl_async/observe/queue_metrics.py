@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from rl_async.observe.length_ks import LengthKS
+
 if TYPE_CHECKING:
     from rl_async.base.types import Group
 
@@ -56,15 +58,19 @@ FULLY_ASYNC_NAMES: tuple[str, ...] = (
     "buffer_avg_staleness", "buffer_max_staleness", "avg_staleness", "max_staleness",
     "queue_size",
 )
+# Over the run so far, not windowed: rollout/length_ks (observe/length_ks.py).
+ROLLOUT_PREFIX = "rollout/"
+ROLLOUT_NAMES: tuple[str, ...] = ("length_ks",)
 _PREFIX_BY_NAME: dict[str, str] = {
     **{name: COMPLETED_QUEUE_PREFIX for name in COMPLETED_QUEUE_NAMES},
     **{name: FULLY_ASYNC_PREFIX for name in FULLY_ASYNC_NAMES},
+    **{name: ROLLOUT_PREFIX for name in ROLLOUT_NAMES},
 }
 
 
 def metric_names() -> tuple[str, ...]:
     """Every name `QueueMetrics.snapshot()` returns, in a stable order, without prefix."""
-    return COMPLETED_QUEUE_NAMES + FULLY_ASYNC_NAMES
+    return COMPLETED_QUEUE_NAMES + FULLY_ASYNC_NAMES + ROLLOUT_NAMES
 
 
 def with_prefix(metrics: Mapping[str, float]) -> dict[str, float]:
@@ -115,6 +121,7 @@ class QueueMetrics:
 
     def __init__(self) -> None:
         self._reset()
+        self.lengths = LengthKS()  # the run's, never reset
 
     def _reset(self) -> None:
         self._counts = dict.fromkeys(_COUNTS, 0)
@@ -149,6 +156,7 @@ class QueueMetrics:
     def record_delivered(self, group: Group, age: int | None) -> None:
         """A group handed to the consumer; known ages feed avg/max_staleness."""
         self._record("delivered", group, age)
+        self.lengths.add_trained(s.response_len for s in group.samples)
         if age is not None:
             self._consumed_age_sum += age
             self._consumed_age_n += 1
@@ -158,9 +166,12 @@ class QueueMetrics:
         """An eviction: `stale` when the group was beyond the lag, else an overflow eviction."""
         self._evicted["stale" if stale else "overflow"] += 1
 
-    def record_entered(self) -> None:
-        """A group inserted by `put` (the denominator of `evict_rate`)."""
+    def record_entered(self, group: Group | None = None) -> None:
+        """A group inserted by `put` (the denominator of `evict_rate`; its lengths are the
+        generated side of `length_ks`)."""
         self._entered += 1
+        if group is not None:
+            self.lengths.add_generated(s.response_len for s in group.samples)
 
     def record_wait(self, seconds: float) -> None:
         """Time a consumer spent inside `get`, filtering included."""
@@ -196,6 +207,7 @@ class QueueMetrics:
         out["avg_staleness"] = self._consumed_age_sum / n if n else 0.0
         out["max_staleness"] = self._consumed_age_max
         out["queue_size"] = queue_size
+        out["length_ks"] = self.lengths.distance()
         self._reset()
         # Same names, same order, every window: sinks never see a key appear or vanish.
         return {name: out[name] for name in metric_names()}

@@ -52,6 +52,13 @@ class CapacityPlan:
     submission_granularity: str
     rollout_batch_size: int
     fully_async: bool
+    # "admission" (async runs with a lag) or "dequeue", and the admission bound's horizon:
+    # groups the trainer may have ahead of it (taken, buffered, in flight) while the engines
+    # hold its version, rollout_batch_size x (floor(lag / updates per collection) + 1).
+    staleness_bound: str = "dequeue"
+    admission_horizon_groups: int = 0
+    # async.hold_back_collections x rollout_batch_size: groups left behind each collection
+    hold_back_groups: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -141,8 +148,45 @@ def plan_capacity(cfg: RunConfig) -> tuple[CapacityPlan, list[Warning_], list[st
         global_batch_size=gbs, optimizer_steps_per_collection=max(steps, 0),
         submission_granularity=cfg.async_.rollout_submission_granularity,
         rollout_batch_size=rbs, fully_async=cfg.fully_async)
+    plan = _with_staleness_bound(cfg, plan)
+    plan = _with_hold_back(cfg, plan, errors)
     warnings += capacity_warnings(plan)
     return plan, warnings, errors
+
+
+def _with_staleness_bound(cfg: RunConfig, plan: CapacityPlan) -> CapacityPlan:
+    """async.staleness_bound resolved: admission needs an async run that may run ahead
+    (lag >= 1); sync runs and lag 0 open one collection per version instead."""
+    lag, steps = plan.max_weight_staleness, plan.optimizer_steps_per_collection
+    if not (cfg.async_.staleness_bound == "admission" and plan.fully_async and lag >= 1
+            and steps >= 1):
+        return plan
+    return dataclasses.replace(plan, staleness_bound="admission",
+                               admission_horizon_groups=plan.rollout_batch_size
+                               * (lag // steps + 1))
+
+
+def _with_hold_back(cfg: RunConfig, plan: CapacityPlan, errors: list[str]) -> CapacityPlan:
+    """async.hold_back_collections: room for them plus the collection taken, and a lag that
+    lets data that old be trained (else every group would be discarded)."""
+    hold = cfg.async_.hold_back_collections
+    if not hold:
+        return plan
+    key = f"async.hold_back_collections = {hold}"
+    need = (hold + 1) * plan.rollout_batch_size
+    if not plan.fully_async:
+        errors.append(f"{key} needs an async run (async.fully_async = true): a synchronous "
+                      f"run generates one collection per version")
+    if plan.completed_buffer_groups < need:
+        errors.append(f"{key} needs a completed buffer of at least {need} groups ((hold + 1) "
+                      f"x rollout.rollout_batch_size); it holds {plan.completed_buffer_groups}: "
+                      f"raise async.async_data_buffer_capacity_factor to {hold + 1}")
+    least = hold * plan.optimizer_steps_per_collection + 1
+    if plan.max_weight_staleness < least:
+        errors.append(f"{key} makes every group at least {least - 1} versions old; "
+                      f"async.max_weight_staleness = {plan.max_weight_staleness} would discard "
+                      f"them all: raise it to at least {least}")
+    return dataclasses.replace(plan, hold_back_groups=hold * plan.rollout_batch_size)
 
 
 def capacity_warnings(p: CapacityPlan) -> list[Warning_]:

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, PositiveFloat, PositiveInt, PrivateAttr, model_validator
 
 # The workload sections ([task], [reward], [eval], [filter], [judge]) live in config_workload.
+from rl_async.algo.corrections import corrections_from
 from rl_async.plan.config_base import Section
 from rl_async.plan.config_workload import (EvalSection, FilterSection, JudgeSection,
                                            RewardSection, TaskSection)
@@ -210,6 +211,17 @@ class TrainSection(Section):
     use_tis: bool = True
     tis_clip: PositiveFloat = 2.0
     tis_clip_low: float = Field(0.0, ge=0)
+    # The objective and the behaviour-gap mask (rl_async/algo/corrections.py, which
+    # validates them and holds each mask's default bounds).
+    policy_loss: Literal["ppo_tis", "cispo", "gspo", "m2po", "decoupled_ppo"] = "ppo_tis"
+    is_mask: Literal["none", "token_mis", "seq_mis", "icepop", "geo_rs"] = "none"
+    is_mask_low: float | None = Field(None, ge=0)
+    is_mask_high: float | None = Field(None, ge=0)
+    gspo_eps_low: float = Field(3e-4, ge=0, lt=1)
+    gspo_eps_high: float = Field(4e-4, ge=0)
+    cispo_ratio_low: float = Field(0.0, ge=0)
+    cispo_ratio_high: PositiveFloat = 4.0
+    m2po_tau: PositiveFloat = 0.04
     use_rollout_logprobs: bool = False
     advantage: Literal["group_norm", "mean_only"] = "group_norm"
     tensor_parallel: PositiveInt = 1
@@ -231,6 +243,11 @@ class TrainSection(Section):
     # stop the run naming the step and the quantity (rl_async/train/guard.py).
     max_nonfinite_updates: int = Field(3, ge=0)
 
+    @model_validator(mode="after")
+    def _corrections(self) -> "TrainSection":
+        corrections_from(self)  # the mask's bounds against its defaults; errors name the keys
+        return self
+
 
 class AsyncSection(Section):
     fully_async: bool | None = None  # profile default
@@ -238,6 +255,20 @@ class AsyncSection(Section):
     async_data_buffer_capacity_factor: float = Field(1.0, ge=0)
     rollout_submission_granularity: Literal["group", "sample"] = "sample"
     max_weight_staleness: int | None = Field(None, ge=0)
+    # Where the lag is enforced: "admission" opens no group that would be older than the
+    # lag when the trainer reaches it (rl_async/loop/admission.py; the dequeue filter stays
+    # as a fallback); "dequeue" discards and regenerates groups found too old.
+    staleness_bound: Literal["admission", "dequeue"] = "dequeue"
+    # Collections the trainer leaves in the buffer behind the one it takes: every group then
+    # waits that many more collections (forced-lag experiments, benchmarks/offpolicy_lag.py).
+    hold_back_collections: int = Field(0, ge=0)
+    # Off-policy health to pacing (rl_async/loop/health.py): past a threshold publish sooner,
+    # then lower the producer budget; loosen after health_patience healthy collections.
+    health_control: bool = False
+    health_kl_max: PositiveFloat = 0.05
+    health_ln2_fraction_max: float = Field(0.05, gt=0, le=1)
+    health_ess_min: float = Field(0.5, ge=0, le=1)
+    health_patience: PositiveInt = 3
     buffer_order: Literal["fifo", "lifo"] = "fifo"
     buffer_overflow: Literal["block", "evict"] = "block"
     unused_samples_handler: Literal["retry", "drop"] = "retry"

@@ -214,6 +214,20 @@ KEYS: dict[str, Doc] = {
                          rule="must be on in async runs"),
     "train.tis_clip": Doc("TIS weight ceiling"),
     "train.tis_clip_low": Doc("TIS weight floor"),
+    "train.policy_loss": Doc("the objective: 'ppo_tis' (PPO-clip x TIS), 'decoupled_ppo' "
+                             "(untruncated weight), 'gspo' (sequence ratio), 'cispo' (clipped "
+                             "weight as coefficient), 'm2po' (second-moment mask)"),
+    "train.is_mask": Doc("behaviour-gap mask: 'none', 'token_mis', 'seq_mis', 'icepop', "
+                         "'geo_rs' (docs/algorithm.md)"),
+    "train.is_mask_low": Doc("the mask's lower bound on the ratio; unset = the mask's default",
+                             "ratio", "<= is_mask_high"),
+    "train.is_mask_high": Doc("the mask's upper bound on the ratio; unset = the mask's default",
+                              "ratio"),
+    "train.gspo_eps_low": Doc("GSPO sequence clip below 1", rule="< 1"),
+    "train.gspo_eps_high": Doc("GSPO sequence clip above 1"),
+    "train.cispo_ratio_low": Doc("CISPO weight floor", "ratio", "<= cispo_ratio_high"),
+    "train.cispo_ratio_high": Doc("CISPO weight ceiling", "ratio"),
+    "train.m2po_tau": Doc("M2PO: mean (log ratio)^2 the kept tokens may reach"),
     "train.use_rollout_logprobs": Doc("use the engine's log-probs as the PPO anchor instead of "
                                       "the trainer's", rule="refused with mixed_policy"),
     "train.advantage": Doc("'group_norm' ((r - mean) / std in the group) or 'mean_only' "
@@ -252,6 +266,25 @@ KEYS: dict[str, Doc] = {
     "async.max_weight_staleness": Doc(_LAG + "; unset = 6 (fully async) or 0",
                                       "versions", "max_weight_staleness; "
                                       "BUFFER_EXCEEDS_AGE_BUDGET, RETAINED_EXCEEDS_LAG"),
+    "async.staleness_bound": Doc("'admission' opens no group that would exceed the lag when "
+                                 "trained (the dequeue filter stays as a fallback); "
+                                 "'dequeue' discards and regenerates old groups",
+                                 rule="admission_horizon_groups; async runs with a lag >= 1"),
+    "async.hold_back_collections": Doc("collections kept buffered behind the one training "
+                                       "takes, so data is that many collections older "
+                                       "(forced-lag experiments; 0 in normal runs)",
+                                       "collections", "buffer >= (hold + 1) collections; "
+                                       "lag > hold x updates per collection"),
+    "async.health_control": Doc("watch the trainer's off-policy diagnostics: past a threshold "
+                                "publish sooner, then lower the producer budget; loosen when "
+                                "healthy (every decision a health/* event)"),
+    "async.health_kl_max": Doc("unhealthy above this k3 KL(trainer || rollout) per token"),
+    "async.health_ln2_fraction_max": Doc("unhealthy above this share of tokens with |log "
+                                         "ratio| > ln 2", "fraction"),
+    "async.health_ess_min": Doc("unhealthy below this effective sample size of the weights",
+                                "fraction"),
+    "async.health_patience": Doc("healthy collections in a row before loosening one step",
+                                 "collections"),
     "async.buffer_order": Doc("'fifo' trains the oldest completed group first, 'lifo' the "
                               "newest"),
     "async.buffer_overflow": Doc("full buffer: 'block' new submissions, or 'evict' the "

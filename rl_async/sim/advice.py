@@ -79,8 +79,11 @@ def simulated_warnings(path: str, overrides: tuple[str, ...], cfg: RunConfig,
 def _headline(p: dict[str, Any], steps: int) -> str:
     return (f"simulated {steps} optimizer steps: trainer waits {p['trainer_wait_fraction']:.0%} "
             f"of the time, engines idle {p['generation_idle_fraction']:.0%}, "
-            f"{p['discarded_groups_fraction']:.0%} of groups discarded as stale, mean "
-            f"staleness {p['mean_staleness']:.2f}, {p['steps_per_hour']:.0f} steps/hour "
+            f"{p['discarded_groups_fraction']:.0%} of groups discarded as stale, staleness "
+            f"mean {p['mean_staleness']:.2f} / p99 {p['staleness']['p99_delivered']:g} (in flight "
+            f"{p['staleness']['inflight_mean']:.2f} / {p['staleness']['inflight_p99']:g}, in "
+            f"queue {p['staleness']['queue_mean']:.2f} / {p['staleness']['queue_p99']:g}), "
+            f"{p['samples_per_s']:.1f} samples/s, {p['steps_per_hour']:.0f} steps/hour "
             f"(timings: {p['timings_source']['decode'].split(' (')[0]})")
 
 

@@ -30,13 +30,14 @@ import dataclasses
 import random
 
 from rl_async.base import clock
-from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer, buffer_options
 from rl_async.plan.capacity import CapacityPlan
 from rl_async.plan.config import RunConfig
 from rl_async.engine.base import GenerateOutput, SamplingParams
 from rl_async.engine.router import Router
 from rl_async.engine.synthetic import SyntheticEngine, SyntheticEngineConfig
 from rl_async.engine.timing import bucket_sizes
+from rl_async.loop.admission import admission_calls
 from rl_async.loop.ledger import PromptLedger
 from rl_async.loop.producer import Producer, ProducerLimits
 from rl_async.observe.queue_metrics import AGE_BIN_LABELS, LENGTH_BIN_LABELS, age_bin, length_bin
@@ -154,11 +155,10 @@ class SimFleet:
         self.tally = LengthTally()
         self.ages = dict.fromkeys(AGE_BIN_LABELS, 0)  # delivered groups by age (staleness)
         self.occupancy = Occupancy(plan.completed_buffer_groups)
-        a = cfg.async_
         self.buffer = CompletedBuffer(
-            plan.completed_buffer_groups, cfg.max_weight_staleness, order=a.buffer_order,
-            overflow=a.buffer_overflow, on_discard=self._on_discard,
-            on_insert=self.book.mark_buffered, on_deliver=self._on_deliver)
+            plan.completed_buffer_groups, cfg.max_weight_staleness, **buffer_options(cfg, plan),
+            on_discard=self._on_discard, on_insert=self.book.mark_buffered,
+            on_deliver=self._on_deliver)
         trajectory = None if timings.turns is None else SimTrajectory(
             timings.turns, self.rng, r.max_response_len, r.max_trajectory_tokens)
         self.producer = Producer(
@@ -166,7 +166,8 @@ class SimFleet:
                            plan.http_slots),
             next_group=self._next_group, generate=self._generate, score=self._score,
             put=self._put, on_aborted=self._on_aborted, on_failed=self._on_failed,
-            next_groups=self._next_groups, trajectory=trajectory)
+            next_groups=self._next_groups, trajectory=trajectory,
+            **admission_calls(self.buffer))
         self.trained_samples = 0
         self.eval_seconds = 0.0
         self.publications = 0
@@ -253,6 +254,9 @@ class SimFleet:
     async def producer_stop(self) -> None:
         self.producer.stop()
 
+    async def producer_set_budget(self, groups: int) -> None:
+        self.producer.set_budget(groups)
+
     async def producer_groups_owned(self) -> int:
         return self.producer.groups_owned
 
@@ -264,9 +268,9 @@ class SimFleet:
             await asyncio.sleep(self.timings.collection_transport_s)
         return groups
 
-    async def buffer_set_version(self, version: int) -> None:
+    async def buffer_set_version(self, version: int, engine_version: int | None = None) -> None:
         await self._control()
-        self.buffer.set_version(version)
+        self.buffer.set_version(version, engine_version)
         await self._control()
 
     async def buffer_reserve(self, n_groups: int) -> None:

@@ -23,6 +23,11 @@ def format_prediction(p: dict[str, Any]) -> str:
         f"  useful tokens / s          {p['useful_tokens_per_s']:.0f}",
         f"  mean staleness             {p['mean_staleness']:.2f}   (max {p['max_staleness']}, "
         f"allowed {p['max_weight_staleness']})",
+        f"  staleness mean / p99       {p['staleness']['mean_delivered']:.2f} / "
+        f"{p['staleness']['p99_delivered']:g}   (in flight {p['staleness']['inflight_mean']:.2f}"
+        f" / {p['staleness']['inflight_p99']:g}, in queue {p['staleness']['queue_mean']:.2f} / "
+        f"{p['staleness']['queue_p99']:g})",
+        f"  trained samples / s        {p['samples_per_s']:.1f}",
         f"  staleness histogram        "
         + ", ".join(f"{k}: {v}" for k, v in p["staleness_histogram"].items()),
         f"  dropped samples (stale)    {_pct(p['dropped_samples_fraction'])}   "

@@ -104,6 +104,11 @@ def prediction(cfg: RunConfig, plan: CapacityPlan, timings: SimTimings, fleet: S
         "by_response_length": by_length,
         "mean_staleness": summary["staleness"]["mean_delivered"],
         "max_staleness": summary["staleness"]["max_delivered"],
+        # where the age comes from (rl_async/observe/staleness.py), and its tail
+        "staleness": {k: summary["staleness"][k] for k in (
+            "mean_delivered", "p99_delivered", "inflight_mean", "inflight_p99", "queue_mean",
+            "queue_p99")},
+        "samples_per_s": _fraction(fleet.trained_samples, wall),
         "max_weight_staleness": plan.max_weight_staleness,
         "staleness_histogram": {k: v for k, v in fleet.ages.items() if v},
         "buffer": {"capacity_groups": plan.completed_buffer_groups,

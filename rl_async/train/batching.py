@@ -69,7 +69,8 @@ def micro_batches(items: Sequence[TrainItem], size: int,
     (train.max_tokens_per_microbatch), as many as fit a padded-token budget: a micro-batch
     grows while its row count x its longest sequence stays within `max_tokens` (at least one
     item, even a longer one). The split changes no gradient: the loss is the token mean over
-    the whole optimizer step, whatever the micro-batches."""
+    the whole optimizer step, whatever the micro-batches (except M2PO's mask, which like
+    AReaL's is drawn over each micro-batch's tokens)."""
     if max_tokens is None:
         return [items[i:i + size] for i in range(0, len(items), size)]
     out, start, longest = [], 0, 0

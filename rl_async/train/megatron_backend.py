@@ -37,7 +37,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from rl_async.algo.advantages import DEFAULT_ESTIMATOR, group_advantages
-from rl_async.algo.loss import MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms, ratio_quantile
+from rl_async.algo.corrections import Corrections, corrections_from
+from rl_async.algo.loss import (MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms,
+                                ratio_quantile, step_units)
 from rl_async.train import megatron_checkpoint, megatron_export
 from rl_async.train import megatron_model as mm
 from rl_async.train.guard import NonFiniteGuard
@@ -69,6 +71,8 @@ class MegatronTrainerConfig:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     use_tis: bool = True
+    # train.policy_loss / train.is_mask and their thresholds (rl_async/algo/corrections.py)
+    corrections: Corrections = field(default_factory=Corrections)
     use_rollout_logprobs: bool = False  # anchor = behaviour log-probs (no trainer scoring)
     advantage_estimator: str = DEFAULT_ESTIMATOR
     # The torch backend's schedule (torch_trainer.lr_at reads these four names).
@@ -239,12 +243,14 @@ class MegatronTrainer:
 
         cfg = self.cfg
         batches = self._micro_batches(items)
-        tokens = torch.tensor(float(sum(it.trained_tokens for it in items)), device=self.device)
+        # the loss's denominator: the step's tokens (sequences for GSPO), over all DP ranks
+        units = torch.tensor(step_units((it.trained_tokens for it in items), cfg.corrections),
+                             device=self.device)
         dp_group = parallel_state.get_data_parallel_group()
-        dist.all_reduce(tokens, group=dp_group)
+        dist.all_reduce(units, group=dp_group)
         # The schedule divides each micro-batch loss by their count and DDP averages over DP:
         # undo both so the gradient is that of the token mean over the whole step.
-        scale = len(batches) * self.dp_size / max(float(tokens), 1.0)
+        scale = len(batches) * self.dp_size / max(float(units), 1.0)
         sums = {k: 0.0 for k in (*SUM_STATS, *EXTRA_SUMS)}
         maxes = {k: 0.0 for k in MAX_STATS}
         ratios: list[Tensor] = []
@@ -254,7 +260,7 @@ class MegatronTrainer:
             terms = policy_terms(
                 logprobs_BT, batch.anchor_BT, batch.behavior_BT,
                 batch.advantages_BT, batch.mask_BT, cfg.eps_clip, cfg.eps_clip_high,
-                cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis,
+                cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis, cfg.corrections,
             )
             for k, v in terms.sums.items():
                 sums[k] += float(v)
@@ -359,7 +365,8 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainer
         weight_decay=t.weight_decay,
         clip_grad=t.grad_clip, temperature=cfg.rollout.temperature, eps_clip=t.eps_clip,
         eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low,
-        use_tis=t.use_tis, use_rollout_logprobs=t.use_rollout_logprobs,
+        use_tis=t.use_tis, corrections=corrections_from(t),
+        use_rollout_logprobs=t.use_rollout_logprobs,
         max_nonfinite_updates=t.max_nonfinite_updates,
         advantage_estimator=t.advantage, lr_schedule=t.lr_schedule,
         total_steps=t.lr_schedule_steps or cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio)

@@ -15,7 +15,7 @@ train_collection(groups, v)
       for each micro-batch:  (DDP no_sync on all but the last; a group's shared prompt
                               runs once: train/prefix.py)
           θ = log_softmax(logits / temperature)[token]
-          loss = Σ PPO+TIS token losses · world_size / (step's response tokens on ALL ranks)
+          loss = Σ token losses · world_size / (step's tokens on ALL ranks; GSPO: sequences)
           backward                       (DDP averages → exact global token mean)
       clip grad norm → AdamW step → step += 1
       metrics reduced over ranks
@@ -34,7 +34,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -43,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rl_async.algo import loss as loss_lib
 from rl_async.algo.advantages import get_advantage_fn, group_advantages
+from rl_async.algo.corrections import Corrections
 from rl_async.state import trainer_state as ckpt
 from rl_async.train.batching import (PolicyScorer, TrainItem, item_from_sample,
                                      micro_batches, pack, unpack_rows)
@@ -84,6 +85,7 @@ class TorchTrainerConfig:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     use_tis: bool = True
+    corrections: Corrections = field(default_factory=Corrections)  # train.policy_loss, ...
     use_rollout_logprobs: bool = False
     advantage_estimator: str = "group_norm"
     # Sampling temperature the engines used: log-probs are log_softmax(logits / temperature).
@@ -264,14 +266,14 @@ class TorchTrainer:
 
     @staticmethod
     def _average(per_step: list[dict[str, float]]) -> dict[str, float]:
-        if not per_step:
-            return {}
-        return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+        return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]
+                } if per_step else {}
 
-    def _global_tokens(self, items: Sequence[TrainItem]) -> float:
-        local = float(sum(it.trained_tokens for it in items))
-        sums, _ = reduce_stats({"tokens": local}, {}, self.world_size, self.device)
-        return sums["tokens"]
+    def _global_units(self, items: Sequence[TrainItem]) -> float:
+        """The loss's denominator over the whole step, all ranks (loss.step_units)."""
+        local = loss_lib.step_units((it.trained_tokens for it in items), self.config.corrections)
+        sums, _ = reduce_stats({"units": local}, {}, self.world_size, self.device)
+        return sums["units"]
 
     def _micro_batch(self, items: Sequence[TrainItem], scale: float, policy_version: int
                      ) -> tuple[dict[str, float], dict[str, float], Tensor]:
@@ -286,7 +288,8 @@ class TorchTrainer:
         anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()
         terms = loss_lib.policy_terms(
             logprobs_BT, anchor_BT, batch.behavior_BT, batch.advantages_BT, batch.mask_BT,
-            cfg.eps_clip, cfg.eps_clip_high, cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis)
+            cfg.eps_clip, cfg.eps_clip_high, cfg.tis_clip, cfg.tis_clip_low, cfg.use_tis,
+            cfg.corrections)
         (terms.token_loss_BT.sum() * scale).backward()
         sums = {k: float(v) for k, v in terms.sums.items()}
         known_BT = batch.mask_BT & (batch.versions_BT >= 0)
@@ -299,10 +302,10 @@ class TorchTrainer:
     def _optimizer_step(self, items: Sequence[TrainItem], policy_version: int
                         ) -> dict[str, float]:
         cfg = self.config
-        global_tokens = self._global_tokens(items)
+        global_units = self._global_units(items)
         # DDP averages gradients over ranks; scaling by world_size / global tokens turns the
         # average into the exact token mean over the whole step on every rank.
-        scale = self.world_size / max(global_tokens, 1.0)
+        scale = self.world_size / max(global_units, 1.0)
         self.optimizer.zero_grad(set_to_none=True)
         micro = micro_batches(items, cfg.micro_batch_size, cfg.max_tokens_per_microbatch)
         sums: dict[str, float] = {}

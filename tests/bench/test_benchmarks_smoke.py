@@ -31,6 +31,8 @@ KEYS = {
     "gateway_overhead.py": {"turns", "direct_seconds", "gateway_seconds", "overhead",
                             "overhead_http", "overhead_at_max_turns"},
     "allocator_memory.py": {"local", "benchmark_seconds"},
+    "offpolicy_lag.py": {"target_reward", "cells", "goals"},
+    "staleness_prediction.py": {"cells", "within_target", "of"},
 }
 
 # benchmark -> figures that must be finite and > 0 even at smoke sizes ("a.*.b": every entry
@@ -47,6 +49,9 @@ POSITIVE = {
     "publication_scaling.py": ["chain.seconds", "chain.rank0_bytes", "bytes"],
     "allocator_memory.py": ["local.seconds_ratio", "local.reuse.engine.peak",
                             "local.system.trainer.peak"],
+    "offpolicy_lag.py": ["cells.*.*.loop_seconds"],
+    "staleness_prediction.py": ["cells.*.measured.samples_per_s",
+                                "cells.*.predicted.samples_per_s"],
 }
 
 pytestmark = pytest.mark.ray

@@ -10,9 +10,11 @@ import copy
 import random
 from dataclasses import dataclass, field
 
-from rl_async.loop.buffer import CompletedBuffer
+from rl_async.loop.buffer import CompletedBuffer, buffer_options
 from rl_async.engine.base import GenerateOutput
+from rl_async.loop.admission import admission_calls
 from rl_async.loop.ledger import PromptLedger
+from rl_async.observe.queue_metrics import with_prefix
 from rl_async.loop.producer import Producer, ProducerLimits
 from rl_async.base.types import Group, Sample
 
@@ -69,8 +71,9 @@ class InProcessFleet:
             disk.trim(resume["step"])
         self.engine = FakeEngine(self.rng, version)
         self.buffer = CompletedBuffer(plan.completed_buffer_groups, plan.max_weight_staleness,
-                                      **self.book.buffer_callbacks())
-        self.buffer.set_version(version)
+                                      **self.book.buffer_callbacks(),
+                                      **buffer_options(cfg, plan))
+        self.buffer.set_version(version, version)  # the engines start on it
 
         async def aborted(g):
             self.book.mark_aborted(g, "publication or shutdown")
@@ -89,7 +92,8 @@ class InProcessFleet:
             ProducerLimits(plan.submission_granularity, plan.producer_samples, n,
                            plan.http_slots),
             next_group=next_group, generate=self.engine.generate, score=score,
-            put=self.buffer.put, on_aborted=aborted, on_failed=failed)
+            put=self.buffer.put, on_aborted=aborted, on_failed=failed,
+            **admission_calls(self.buffer))
 
     # ---- Fleet -------------------------------------------------------------------------------
     async def producer_task(self):
@@ -114,11 +118,14 @@ class InProcessFleet:
     async def producer_stop(self):
         self.producer.stop()
 
+    async def producer_set_budget(self, groups):
+        self.producer.set_budget(groups)
+
     async def get_groups(self, n, version):
         return await self.buffer.get(n, version)
 
-    async def buffer_set_version(self, version):
-        self.buffer.set_version(version)
+    async def buffer_set_version(self, version, engine_version=None):
+        self.buffer.set_version(version, engine_version)
 
     async def buffer_reserve(self, n_groups):
         if self.buffer.reserved:
@@ -149,7 +156,7 @@ class InProcessFleet:
         return f"step_{step}"
 
     async def metrics(self):
-        return {}
+        return with_prefix(self.buffer.metrics())
 
     async def ledger(self):
         return self.book.counts()

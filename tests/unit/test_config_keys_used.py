@@ -41,6 +41,8 @@ DERIVED = {
     "async.async_data_buffer_capacity_factor": ("plan", "completed_buffer_groups"),
     "async.rollout_submission_granularity": ("plan", "submission_granularity"),
     "async.max_weight_staleness": ("plan", "max_weight_staleness"),
+    "async.staleness_bound": ("plan", "staleness_bound"),
+    "async.hold_back_collections": ("plan", "hold_back_groups"),
 }
 
 

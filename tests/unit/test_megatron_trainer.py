@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_async.algo.corrections import corrections_from
 from rl_async.plan.load import resolve
 from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 from rl_async.base.types import Group, Sample
@@ -30,7 +31,10 @@ HF = {"model_type": "qwen2", "vocab_size": VOCAB, "hidden_size": 32, "intermedia
 SHARED = ("train/loss", "train/ppo_clip_fraction", "train/tis_clip_fraction",
           "train/tis_ess_ratio", "train/ratio_p99", "train/ratio_max", "train/logprob_mismatch",
           "train/logprob_kl", "train/entropy", "train/stale_token_fraction", "train/grad_norm",
-          "train/lr", "train/response_tokens", "train/optimizer_steps", "train/step")
+          "train/lr", "train/response_tokens", "train/optimizer_steps", "train/step",
+          "train/kl_k3_trainer_rollout", "train/logratio_over_ln2_fraction",
+          "train/logratio_m2", "train/logratio_m2_kept", "train/masked_fraction",
+          "train/masked_fraction_adv_pos", "train/masked_fraction_adv_neg")
 
 
 def run_config(**train):
@@ -49,7 +53,7 @@ def torch_trainer(cfg) -> TorchTrainer:
         total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio, global_batch_size=4,
         micro_batch_size=t.micro_batch_size, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
         tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
-        use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
+        corrections=corrections_from(t), use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
         temperature=cfg.rollout.temperature, device="cpu"))
 
 
@@ -78,7 +82,14 @@ def assert_same_metrics(got: dict, want: dict) -> None:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
 
-@pytest.mark.parametrize("train", [{}, {"use_tis": False, "use_rollout_logprobs": True}])
+@pytest.mark.parametrize("train", [
+    {}, {"use_tis": False, "use_rollout_logprobs": True},
+    # every loss and mask reaches both backends (GSPO: the sequence-mean denominator)
+    {"policy_loss": "gspo", "gspo_eps_low": 0.05, "gspo_eps_high": 0.05, "is_mask": "geo_rs",
+     "is_mask_low": 0.5, "is_mask_high": 2.0},
+    {"policy_loss": "cispo", "is_mask": "seq_mis", "is_mask_high": 1e6},
+    {"policy_loss": "m2po", "is_mask": "icepop"}, {"policy_loss": "decoupled_ppo",
+                                                    "is_mask": "token_mis"}])
 def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
     from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
                                                  trainer_config_from_run)
@@ -98,7 +109,8 @@ def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
         got = meg.train_collection(groups(seed, version), version)
         assert_same_metrics(got, want)
         lrs.append(got["train/lr"])
-        assert 0 < want["train/tis_clip_fraction"] < 1 or not cfg.train.use_tis
+        assert (0 < want["train/tis_clip_fraction"] < 1 or not cfg.train.use_tis
+                or cfg.train.policy_loss != "ppo_tis")
         assert 0 < want["train/stale_token_fraction"] < 1
     assert lrs[0] > lrs[1] > 0.2 * 1e-2
     exported = dict(meg.named_tensors_for_publication())

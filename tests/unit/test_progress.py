@@ -17,8 +17,8 @@ def test_the_discard_fraction_accumulates_over_collections():
     controller = Controller(cfg, plan, InProcessFleet(cfg, plan, Disk(), seed=0),
                             lambda m, s: None)
     for dropped, delivered in ((16, 48), (0, 64), (0, 0)):
-        controller._count_discards({Q + "dropped_samples": dropped,
+        controller.progress.count_discards({Q + "dropped_samples": dropped,
                                     Q + "delivered_samples": delivered})
     assert controller.progress.discard_fraction == 16 / 128
-    controller._count_discards({"eval/reward": 0.5})  # a row without the counts: unchanged
+    controller.progress.count_discards({"eval/reward": 0.5})  # a row without the counts: unchanged
     assert controller.progress.discard_fraction == 16 / 128

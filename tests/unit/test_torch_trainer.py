@@ -283,3 +283,34 @@ def test_cosine_schedule_is_a_pure_function_of_the_step():
     assert lr_at(flat, 7) == 0.5
     with pytest.raises(ValueError, match="total_steps"):
         TorchTrainerConfig(hf_config={"model_type": "llama"}, lr_schedule="cosine")
+
+
+@pytest.mark.parametrize("loss_name", ["ppo_tis", "decoupled_ppo", "gspo", "cispo", "m2po"])
+def test_the_configured_loss_is_the_one_trained(loss_name):
+    """The trainer's step is the configured loss over the whole step's tokens (GSPO: its
+    sequences), whatever the micro-batches: same loss value and gradient as one call of
+    policy_loss on the full batch (micro_batch_size = the step, so M2PO's micro-batch mask
+    is the batch's)."""
+    from rl_async.algo.corrections import Corrections
+
+    corr = Corrections(policy_loss=loss_name, gspo_eps_low=0.05, gspo_eps_high=0.05)
+    trainer = make(corrections=corr, micro_batch_size=8)
+    groups = make_groups(seed=3)
+    rng = random.Random(0)
+    for s, lp in zip(samples_of(groups), trainer.score(groups)):
+        s.behavior_logprobs = [x - rng.uniform(-0.8, 0.8) for x in lp]
+    rows = trainer.score(groups)
+    T = max(len(r) for r in rows)
+    pad = lambda xs: torch.tensor([list(x) + [0.0] * (T - len(x)) for x in xs],
+                                  dtype=torch.float32)
+    mask = pad([[1.0] * len(r) for r in rows])
+    adv = torch.tensor([a for adv in group_advantages(groups) for a in adv])
+    b = pad([s.behavior_logprobs for s in samples_of(groups)])
+    want, _ = policy_loss(pad(rows), pad(rows), b, adv, mask, corrections=corr)
+    m = trainer.train_collection(groups, policy_version=0)
+    assert m["train/loss"] == pytest.approx(want.item(), rel=1e-4, abs=1e-6)
+    others = [policy_loss(pad(rows), pad(rows), b, adv, mask,
+                          corrections=Corrections(policy_loss=o, gspo_eps_low=0.05,
+                                                  gspo_eps_high=0.05))[0].item()
+              for o in ("ppo_tis", "gspo", "cispo", "m2po") if o != loss_name]
+    assert all(abs(o - want.item()) > 1e-4 for o in others)  # the losses differ here
