@@ -59,7 +59,7 @@ def test_empty_window_reports_every_name_as_explicit_zero():
     m = QueueMetrics().snapshot(queue_size=0)
     assert tuple(m) == metric_names()
     assert all(v == 0 for v in m.values())
-    assert len(m) == 8 + 3 * 8 + 3 * 9 + 1 + 8
+    assert len(m) == 8 + 3 * 8 + 3 * 9 + 1 + 8 + 1  # + rollout/length_ks
 
 
 def test_buffer_decisions_feed_counts_bins_and_fractions():
@@ -99,7 +99,9 @@ def test_buffer_decisions_feed_counts_bins_and_fractions():
     # Resident after the drain: nothing ("rest" arrives later), so zeros, not the delivered.
     assert m["buffer_avg_staleness"] == 0.0 and m["buffer_max_staleness"] == 0
     assert m["queue_size"] == 1
-    assert all(v == 0 for k, v in after.items() if k != "queue_size") and after["queue_size"] == 1
+    # The window resets; length_ks is the run's and does not.
+    assert all(v == 0 for k, v in after.items() if k not in ("queue_size", "length_ks"))
+    assert after["queue_size"] == 1 and after["length_ks"] == m["length_ks"]
 
 
 def test_buffer_staleness_describes_groups_left_after_the_drain():
