@@ -27,7 +27,7 @@ import json
 import time
 from dataclasses import replace
 
-from _common import init_ray, TimedRun  # noqa: I001  (sets sys.path first)
+from _common import init_ray, ROOT, TimedRun  # noqa: I001  (sets sys.path first)
 from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
@@ -58,7 +58,7 @@ def config(sigma: float, train_s: float, steps: int, name: str, out: str):
     overrides = [*BASE, f"synthetic.response_len_sigma={sigma}",
                  f"synthetic.train_seconds_per_sample={train_s}", f"run.max_steps={steps}",
                  f"run.name={name}", f"run.output_dir={out}"]
-    cfg, _ = dry_run_config(load_config("cluster_configs/three_node.toml", overrides), overrides)
+    cfg, _ = dry_run_config(load_config(ROOT / "cluster_configs/three_node.toml", overrides), overrides)
     report = validate(cfg)
     if not report.ok:
         raise SystemExit(f"invalid benchmark config {overrides}: {report.errors}")
