@@ -7,7 +7,8 @@
   key of the config classes;
 - the guide pages (all but docs/benchmarks.md, where figures and their history live) read as
   a guide: no dates, no "final code", no issue or SPEC section numbers;
-- the README keeps the two set-up commands, and the repository its licence.
+- the README keeps the two set-up commands, and the repository its licence;
+- the README's bold figures are the benchmarks page's.
 """
 
 import fnmatch
@@ -169,3 +170,14 @@ def test_the_licence_is_there():
     assert "Apache License" in (ROOT / "LICENSE").read_text()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["license"] == "Apache-2.0"
+
+
+def test_the_readme_quotes_figures_only_from_the_benchmarks_page():
+    # A figure in bold ("**1.34x**") the benchmarks table does not hold is a figure nobody
+    # can trace to a command, a date and its conditions.
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / "docs" / "benchmarks.md").read_text()
+    figures = re.findall(r"\*\*(\d+(?:\.\d+)?x)\*\*", readme)
+    assert figures, "the README quotes its headline figures in bold"
+    missing = [f for f in figures if f"**{f}**" not in table]
+    assert not missing, f"README figures not in docs/benchmarks.md: {missing}"
