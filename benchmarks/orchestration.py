@@ -77,6 +77,7 @@ def base_overrides(args, name: str) -> list[str]:
             "cluster.engine_cpus=0.01", "cluster.trainer_cpus=0.01",
             "cluster.trainer_workers=1", "synthetic.publish_bytes=1000000",
             "synthetic.group_init_s=0", "task.num_eval_prompts=8",
+            "run.audit_fraction=0",  # no model to audit with
             f"rollout.n_samples_per_prompt={args.group_size}",
             f"rollout.rollout_batch_size={args.groups}",
             f"train.global_batch_size={args.groups * args.group_size}",

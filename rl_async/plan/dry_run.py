@@ -65,6 +65,10 @@ def dry_run_config(cfg: RunConfig, overrides: tuple[str, ...] | list[str] = ()
         data["judge"].update(num_cpus=0.0, num_gpus=0.0, judge_class="actors.judges:RuleJudge")
         notes.append("judges: the built-in RuleJudge with no CPU/GPU reservation")
     data["wandb"]["mode"] = "disabled"
+    if cfg.run.audit_fraction > 0:  # the audit recomputes log-probs: synthetic has no model
+        data["run"]["audit_fraction"] = 0.0
+        notes.append(f"run.audit_fraction {cfg.run.audit_fraction:g} -> 0 (the provenance "
+                     f"audit needs a real model)")
     data["run"]["name"] = f"{cfg.run.name}-dry-run"
     if "run.output_dir" not in set_keys:  # the file's shared storage may not exist here
         data["run"]["output_dir"] = DRY_RUN_OUTPUT_DIR
