@@ -98,6 +98,7 @@ def test_each_engine_listens_on_its_own_channel_and_superseded_channels_are_dest
     from rl_async.loop.publish import Publisher
 
     cfg, report = small(LOCAL, *FT, "cluster.cpu_engines=2", "publication.verify_checksum=true",
+                        "publication.relay=off",  # direct channels (relay: test_publication_faults)
                         name="t-channels")
     publisher = Publisher("off", cfg.publication.drain_timeout_s, cfg.publication.timeout_s)
 
