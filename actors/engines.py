@@ -202,7 +202,7 @@ class EngineActor:
         byte of that bucket after it arrived, `die_before_commit` SIGKILLs it once its
         weights are verified and before they are switched in. `keep_prompt_cache`: from now
         on the prompt cache survives weight loads (stale KV, for the audit's tests)."""
-        faults = self.engine.debug_faults
+        faults = self.engine.debug_faults.setdefault("next_publication", {})
         if kind == "die_at_bucket":
             faults["before_bucket"] = (lambda i: os.kill(os.getpid(), signal.SIGKILL)
                                        if i == bucket else None)
@@ -213,7 +213,7 @@ class EngineActor:
         elif kind == "stall_at_bucket":  # the actor stops answering before that bucket
             faults["before_bucket"] = (lambda i: time.sleep(3600) if i == bucket else None)
         elif kind == "keep_prompt_cache":  # the provenance audit's negative control
-            faults["keep_prompt_cache"] = True
+            self.engine.debug_faults["keep_prompt_cache"] = True  # from now on
         else:
             raise ValueError(f"debug_fault kind = {kind!r}: die_at_bucket, corrupt_bucket, "
                              f"die_before_commit, stall_at_bucket or keep_prompt_cache")

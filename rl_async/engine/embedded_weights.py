@@ -114,6 +114,10 @@ class EngineWeightsMixin:
         reported (`upstream_failed`), not raised: this engine is fine, its upstream is not."""
         source = self._group(group_name, "stage_weights")
         self._check_version(version)
+        # Faults armed for "the next publication" take effect here, never inside one that
+        # is already under way: arming one mid-transfer would kill the process before the
+        # arming call's own reply left it.
+        self.debug_faults.update(self.debug_faults.pop("next_publication", {}))
         self._staged = None  # an older staging that was never committed is dropped
         if forward is not None:
             self._group(forward, "stage_weights (relay link)")  # joined, or a clear error
