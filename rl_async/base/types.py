@@ -24,6 +24,58 @@ from typing import Any
 
 
 @dataclass
+class RoutedExperts:
+    """The top-k expert ids an engine's routers chose, for positions 0 .. positions - 1 of
+    prompt + response (every token the engine fed: all but the last response token), every
+    MoE layer: a C-order [positions, layers, k] array of unsigned ints, as bytes (1 byte per
+    id up to 256 experts, else 2). The trainer replays them (routing replay, "R3") so that it
+    scores the function the engine sampled from. Bytes, not lists: 48 layers x 8 experts
+    per token as Python ints would cost ~100x the memory in every queue."""
+
+    data: bytes
+    positions: int
+    layers: int
+    k: int
+    itemsize: int = 1  # 1 (uint8) or 2 (uint16)
+
+    def __post_init__(self) -> None:
+        if self.itemsize not in (1, 2):
+            raise ValueError(f"RoutedExperts.itemsize = {self.itemsize}: 1 or 2 bytes per id")
+        want = self.positions * self.layers * self.k * self.itemsize
+        if len(self.data) != want:
+            raise ValueError(f"RoutedExperts: {len(self.data)} bytes for {self.positions} "
+                             f"positions x {self.layers} layers x top-{self.k} "
+                             f"x {self.itemsize} B = {want}")
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def rows(self) -> list[list[list[int]]]:
+        """As nested lists [positions][layers][k] (recordings, tests)."""
+        size, n = self.itemsize, self.layers * self.k
+        ids = [int.from_bytes(self.data[i:i + size], "little")
+               for i in range(0, len(self.data), size)]
+        return [[ids[p * n + j * self.k: p * n + (j + 1) * self.k] for j in range(self.layers)]
+                for p in range(self.positions)]
+
+    @staticmethod
+    def from_rows(rows: list[list[list[int]]]) -> RoutedExperts:
+        """From nested lists [positions][layers][k] (every position the same shape)."""
+        layers = len(rows[0]) if rows else 0
+        k = len(rows[0][0]) if layers else 0
+        flat = [e for position in rows for layer in position for e in layer]
+        if any(len(p) != layers or any(len(layer) != k for layer in p) for p in rows):
+            raise ValueError(f"routed experts: positions of different shapes; every position "
+                             f"needs {layers} layers x top-{k}")
+        if any(e < 0 for e in flat):
+            raise ValueError("routed experts: a negative expert id")
+        size = 1 if max(flat, default=0) < 256 else 2
+        data = b"".join(e.to_bytes(size, "little") for e in flat)
+        return RoutedExperts(data, len(rows), layers, k, size)
+
+
+@dataclass
 class Sample:
     """One response to one prompt."""
 
@@ -45,6 +97,9 @@ class Sample:
     # assistant turns (0 for a single-turn sample).
     loss_mask: list[int] = field(default_factory=list)
     turns: int = 0
+    # Mixture-of-experts models (train.routing_replay): the experts the engine's routers
+    # chose at every position it fed through the model (RoutedExperts); None = not recorded.
+    routed_experts: RoutedExperts | None = None
 
     @property
     def response_len(self) -> int:

@@ -11,6 +11,8 @@ import abc
 import math
 from dataclasses import dataclass, field
 
+from rl_async.base.types import RoutedExperts
+
 
 class EngineError(RuntimeError):
     """An engine refused or failed a request; the message names the request and the cause."""
@@ -86,6 +88,9 @@ class GenerateOutput:
     # it (embedded, synthetic; None: SGLang). The caller's own latency minus this is the
     # round trip outside the engine (the simulator's calibration).
     engine_seconds: float | None = None
+    # The experts chosen at every fed position (prompt + output[:-1]), where the engine
+    # records them (MoE models with train.routing_replay on); rl_async.base.types.
+    routed_experts: RoutedExperts | None = None
 
     def check(self, where: str) -> None:
         """A reply the trainer can use: one log-prob and one version per token, and every

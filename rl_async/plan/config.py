@@ -232,6 +232,9 @@ class TrainSection(Section):
     # torch backend: each distinct prompt of a micro-batch runs once and the group's samples
     # continue from its keys/values (rl_async/train/prefix.py): the same gradient, less compute.
     share_prompts: bool = True
+    # Mixture-of-experts models: the trainer reuses the experts each engine chose ("r3",
+    # docs/models.md); "auto" = r3 for MoE models, off for dense ones.
+    routing_replay: Literal["auto", "r3", "off"] = "auto"
     # megatron: "transformer_engine" (fused/flash attention, no s x s matrix; needs TE on a
     # GPU), "local" (megatron's unfused attention: builds the s x s scores in fp32), or
     # "auto" (TE when it is importable on a GPU, else local; the memory plan assumes TE on GPU).

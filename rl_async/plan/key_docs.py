@@ -242,6 +242,9 @@ KEYS: dict[str, Doc] = {
     "train.share_prompts": Doc("torch: each distinct prompt of a micro-batch runs once, its "
                                "samples continue from its keys/values",
                                rule="UNUSED_KEY unless train.backend = 'torch'"),
+    "train.routing_replay": Doc("MoE models: the trainer reuses the top-k experts the "
+                                "engine chose for every token ('r3'); 'auto' = r3 for MoE "
+                                "models, off for dense; docs/models.md"),
     "train.transformer_impl": Doc("megatron attention: 'transformer_engine', 'local' "
                                   "(unfused, s x s scores) or 'auto'",
                                   rule="memory plan attention"),
