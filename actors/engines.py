@@ -13,6 +13,7 @@ import time
 import ray
 
 from rl_async.plan.config import RunConfig
+from rl_async.plan.moe import replay_for
 from rl_async.algo.tasks import engine_prompt_limit
 from rl_async.base.allocator import apply_for, rss_bytes
 from rl_async.engine.base import Engine, GenerateOutput, SamplingParams
@@ -42,7 +43,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             # stream for them
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
             batch_invariant=cfg.run.deterministic,
-            request_timeout_s=cfg.sglang.request_timeout_s))
+            request_timeout_s=cfg.sglang.request_timeout_s,
+            record_routing=replay_for(cfg)))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang

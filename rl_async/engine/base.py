@@ -108,6 +108,11 @@ class GenerateOutput:
             raise EngineError(f"engine reply for {where} is malformed: log-prob "
                               f"{self.output_logprobs[bad]!r} at token {bad} (token id "
                               f"{self.output_ids[bad]}); log-probs must be finite")
+        routed = self.routed_experts
+        if routed is not None and n and routed.positions != self.prompt_len + n - 1:
+            raise EngineError(f"engine reply for {where} is malformed: routed experts for "
+                              f"{routed.positions} positions; a prompt of {self.prompt_len} "
+                              f"and {n} output tokens feed {self.prompt_len + n - 1}")
 
 
 @dataclass

@@ -48,6 +48,7 @@ from rl_async.engine.base import (PAUSE_MODES, Engine, EngineError, EngineLoad,
 from rl_async.engine.kv_batch import (KVBatch, decode, decode_isolated, prefill,
                                       prefill_isolated)
 from rl_async.state.models import build_causal_lm
+from rl_async.state.moe_routing import Routing
 from rl_async.engine.sampling import draw
 from rl_async.engine.cpu_linear import pack_linears
 from rl_async.engine.fast_decode import fast_decode_for
@@ -77,6 +78,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         self._linears, self._linear_speedup = pack_linears(
             self.model, self.device, wanted, rows=max(1, config.max_running_requests // 2))
         self._fast, fast_decode = fast_decode_for(self.model)  # or why the stock forward stays
+        if config.record_routing:  # MoE routing replay: kv_batch.py records at every forward
+            Routing(self.model, perturb=config.routing_perturb, seed=config.init_seed)
         model_cfg = self.model.config
         self.vocab_size = int(model_cfg.vocab_size)
         self.context_len = config.context_len or int(model_cfg.max_position_embeddings)

@@ -40,6 +40,11 @@ class EmbeddedEngineConfig:
     # A request not answered within this aborts and raises TransientEngineError (its group is
     # regenerated): sglang.request_timeout_s, which both engines honour. None: no deadline.
     request_timeout_s: float | None = None
+    # MoE routing replay (train.routing_replay): record the experts chosen at every fed token
+    # and return them with the reply (rl_async/state/moe_routing.py).
+    record_routing: bool = False
+    # Tests only: pick the top-k from probabilities plus noise of this scale (near-tie flips).
+    routing_perturb: float = 0.0
 
     def __post_init__(self) -> None:
         if (self.hf_config is None) == (self.path is None):

@@ -18,6 +18,7 @@ from rl_async.engine.fast_decode import FastDecode
 from rl_async.engine.prefix_cache import PrefixCache
 from rl_async.engine.scheduler import Request
 from rl_async.state.models import cache_kwarg
+from rl_async.state.moe_routing import ATTRIBUTE as ROUTING
 
 PAD_ID = 0  # any valid id: padded positions are masked out and their KV zeroed
 
@@ -172,6 +173,11 @@ def prefill(model: torch.nn.Module, requests: list[Request], device: torch.devic
         mask_1L = torch.ones((1, entry.tokens), dtype=torch.long, device=device)
         batch = KVBatch.merge(batch, KVBatch(new_cache(entry.kv), mask_1L, [distinct[i]]))
         logits_BV.append(entry.logits_V[None])
+        if entry.routing is not None:
+            distinct[i].routing = [entry.routing]
+    for request, row in zip(requests, rows):  # siblings: the routing of their shared row
+        if distinct[row].routing:
+            request.routing = list(distinct[row].routing)
     position = {d: row for row, d in enumerate(missing + list(hits))}  # distinct -> its row
     index = torch.tensor([position[d] for d in rows], device=batch.mask_BL.device)
     # index_select copies: no row is a view of a cached tensor or of another row
@@ -190,7 +196,7 @@ def _remember(cache: PrefixCache, batch: KVBatch, logits_BV: torch.Tensor) -> No
         start = length - len(request.prompt_ids)  # left padding: real positions are a suffix
         cache.put(tuple(request.prompt_ids),
                   [(k[row:row + 1, :, start:], v[row:row + 1, :, start:]) for k, v in kv],
-                  logits_BV[row])
+                  logits_BV[row], request.routing[0] if request.routing else None)
 
 
 def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch.device
@@ -205,8 +211,13 @@ def _prefill_rows(model: torch.nn.Module, requests: list[Request], device: torch
     ids_BL, mask_BL = ids_BL.to(device), mask_BL.to(device)
     positions_BL = (mask_BL.cumsum(dim=1) - 1).clamp(min=0)
     cache = new_cache()
+    routing = _begin_routing(model)
     out = model(input_ids=ids_BL, attention_mask=mask_BL, position_ids=positions_BL,
                 use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    if routing is not None:  # each row's real (suffix) positions: its whole prefix
+        ids_BLMK = routing.take().view(len(prefixes), length, routing.layers, routing.top_k)
+        for row, (request, prefix) in enumerate(zip(requests, prefixes)):
+            request.routing = [ids_BLMK[row, length - len(prefix):].clone()]
     # Zero the KV of padded positions: a fully masked query row can produce NaN in later
     # layers, and NaN * 0 attention weight is still NaN.
     real_B1L1 = mask_BL[:, None, :, None].bool()
@@ -224,13 +235,27 @@ def decode(model: torch.nn.Module, batch: KVBatch, fast: FastDecode | None = Non
     ids_B1 = torch.tensor([[r.output_ids[-1]] for r in batch.requests], device=device)
     mask_BL = torch.cat([batch.mask_BL, batch.mask_BL.new_ones(len(batch.requests), 1)], dim=1)
     positions_B1 = mask_BL.sum(dim=1, keepdim=True) - 1
+    routing = _begin_routing(model)
     if fast is not None:
         logits_BV = fast.step(ids_B1, mask_BL, positions_B1, batch.cache)
     else:
         logits_BV = model(input_ids=ids_B1, attention_mask=mask_BL, position_ids=positions_B1,
                           use_cache=True, **{cache_kwarg(model): batch.cache}).logits[:, -1]
+    if routing is not None:
+        ids_BMK = routing.take()
+        for row, request in enumerate(batch.requests):
+            request.routing.append(ids_BMK[row:row + 1].clone())
     batch.mask_BL = mask_BL
     return logits_BV
+
+
+def _begin_routing(model: torch.nn.Module):
+    """The model's routing recorder (MoE routing replay, state/moe_routing.py), started for
+    one forward; None when the engine does not record."""
+    routing = getattr(model, ROUTING, None)
+    if routing is not None:
+        routing.begin()
+    return routing
 
 
 def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: torch.device,
@@ -244,8 +269,9 @@ def prefill_isolated(model: torch.nn.Module, requests: list[Request], device: to
     for request in requests:
         key = tuple(request.prefix())
         if key not in done:
-            done[key] = prefill(model, [request], device, cache)
-        part, row_logits = done[key]
+            done[key] = (*prefill(model, [request], device, cache), request)
+        part, row_logits, first = done[key]
+        request.routing = list(first.routing)  # MoE: the experts its shared prefill chose
         request.prefill_len = len(key)
         batch = KVBatch.merge(batch, KVBatch(part.cache, part.mask_BL, [request]))
         logits.append(row_logits)
@@ -269,15 +295,19 @@ def decode_isolated(model: torch.nn.Module, batch: KVBatch) -> torch.Tensor:
             start = length - real  # left padding: the real positions are a suffix of the row
             cache = DynamicCache([(k[row:row + 1, :, start:], v[row:row + 1, :, start:])
                                   for k, v in batch.kv()])
+            routing = _begin_routing(model)
             out = model(input_ids=torch.tensor([[request.output_ids[-1]]], device=device),
                         attention_mask=torch.ones((1, real + 1), dtype=torch.long,
                                                   device=device),
                         position_ids=torch.tensor([[real]], device=device),
                         use_cache=True, **{cache_kwarg(model): cache})
             done[key] = (out.logits[:, -1], [(layer.keys[:, :, -1:], layer.values[:, :, -1:])
-                                             for layer in cache.layers])
+                                             for layer in cache.layers],
+                         None if routing is None else routing.take())
         logits.append(done[key][0])
         new_kv.append(done[key][1])
+        if done[key][2] is not None:
+            request.routing.append(done[key][2].clone())
     for i, layer in enumerate(batch.cache.layers):
         layer.set_kv(torch.cat([layer.keys, torch.cat([kv[i][0] for kv in new_kv])], dim=2),
                      torch.cat([layer.values, torch.cat([kv[i][1] for kv in new_kv])], dim=2))

@@ -29,6 +29,7 @@ import torch
 class CachedPrompt:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer, [1, heads, prompt_len, dim]
     logits_V: torch.Tensor  # the last prompt position's logits
+    routing: torch.Tensor | None = None  # MoE: [prompt_len, layers, k] experts it was routed to
 
     @property
     def tokens(self) -> int:
@@ -58,12 +59,13 @@ class PrefixCache:
         return entry
 
     def put(self, prompt: tuple[int, ...], kv: list[tuple[torch.Tensor, torch.Tensor]],
-            logits_V: torch.Tensor) -> None:
+            logits_V: torch.Tensor, routing: torch.Tensor | None = None) -> None:
         """Keep a copy of one prompt's KV ([1, heads, len(prompt), dim] per layer, no
         padding) and logits; evicts the least recently used beyond the token bound."""
         if len(prompt) > self.max_tokens or prompt in self._entries:
             return
-        entry = CachedPrompt([(k.clone(), v.clone()) for k, v in kv], logits_V.clone())
+        entry = CachedPrompt([(k.clone(), v.clone()) for k, v in kv], logits_V.clone(),
+                             None if routing is None else routing.clone())
         if entry.tokens != len(prompt):
             raise ValueError(f"prefix cache: KV of {entry.tokens} positions for a prompt of "
                              f"{len(prompt)} tokens")

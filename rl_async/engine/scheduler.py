@@ -41,6 +41,9 @@ class Request:
     # Tokens in the last prefill that built this request's KV (batch-invariant mode: rows
     # with the same tokens AND the same prefill length hold bit-identical KV).
     prefill_len: int = 0
+    # MoE routing replay: [positions, layers, k] expert ids of every token fed so far, in
+    # pieces (a prefill's, then one per decode step); empty when the engine does not record.
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def reserved_tokens(self) -> int:
@@ -73,7 +76,17 @@ class Request:
             finish_reason=self.finish_reason or "abort",
             prompt_len=len(self.prompt_ids),
             refreshes=self.refreshes,
+            routed_experts=self.routed_experts(),
         )
+
+    def routed_experts(self):
+        if not self.routing:
+            return None
+        from rl_async.state.moe_routing import pack_routed
+
+        ids = torch.cat(self.routing)
+        # every fed token: the prefix, less the last sampled token (never fed)
+        return pack_routed(ids[:self.num_tokens - 1])
 
 
 class Scheduler:

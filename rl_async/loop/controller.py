@@ -29,6 +29,9 @@ from rl_async.loop.progress import (CUMULATIVE, Progress, cumulative_state,
                                     orchestration_metrics)
 from rl_async.loop.run_summary import run_summary
 from rl_async.observe.offpolicy import OffPolicyStats
+from rl_async.observe.routing import RoutingStats
+from rl_async.plan.memory import architecture
+from rl_async.plan.moe import moe_dims, replay_for
 from rl_async.observe.provenance import ProvenanceTotals
 from rl_async.observe.staleness import StalenessSplit
 from rl_async.loop.publish import PublicationOps, Publisher
@@ -93,6 +96,8 @@ class Controller:
         self.calibration = CalibrationStats()
         self.provenance = ProvenanceTotals()  # run.audit_fraction's findings
         self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
+        self.routing = RoutingStats(moe=moe_dims(architecture(cfg)[0]) is not None,
+                                    replay=replay_for(cfg))
         self.staleness = StalenessSplit()
         self.health = health_for(cfg, plan)  # async.health_control (loop/health.py)
         self.watchdog_s = watchdog_s
@@ -197,6 +202,7 @@ class Controller:
         self.calibration.observe_collection(groups, train_s)
         self.calibration.observe_metrics(metrics)
         self.offpolicy.observe(metrics)
+        self.routing.observe(metrics)
         self._loop_s += clock.now() - wait_start
         if self.threads is not None:
             await self._balance_threads(metrics)

@@ -348,6 +348,7 @@ class Producer(AdmissionMixin):
         sample.behavior_logprobs = list(out.output_logprobs)
         sample.token_versions = list(out.token_versions)
         sample.finish_reason = out.finish_reason
+        sample.routed_experts = out.routed_experts
         self.stats.refreshed_requests += int(out.refreshes > 0)
         if out.token_versions and min(out.token_versions) != max(out.token_versions):
             self.stats.mixed_version_responses += 1

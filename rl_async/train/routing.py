@@ -1,0 +1,105 @@
+"""Routing replay in the torch trainer (MoE models, `train.routing_replay`).
+
+`pack()` lays every sample's recorded experts ([positions, layers, k], positions = the
+tokens its engine fed) on the batch's [B, L] token grid (`routing_grid`), -1 where nothing
+was recorded (padding, the last response token, samples without a recording: those keep the
+trainer's own routing). `batching.token_logprobs` forces the grid in every forward that scores
+rollout tokens: the anchor pass and the training forwards.
+
+What it reports per collection (W&B `train/routing_*`, summary `routing`):
+- `agreement`: share of (token, MoE layer) pairs whose own top-k set equals the engine's,
+  counted in the forwards under the collection's pre-update weights (the anchor pass, or the
+  first optimizer step's forwards when there is none);
+- `logprob_mismatch_replay` / `_own`: mean |trainer log-prob - behaviour log-prob| over the
+  trained tokens of the collection's first micro-batch, with the engine's experts and with
+  the trainer's own (one extra no-grad forward of that micro-batch: the cost of knowing);
+- `replayed_tokens`: response tokens scored with recorded experts (`unreplayed_tokens`: none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from rl_async.state.moe_routing import Routing, unpack_routed
+
+if TYPE_CHECKING:
+    from rl_async.train.batching import PackedBatch, TrainItem
+
+
+def routing_grid(items: Sequence[TrainItem], length: int, layers: int, k: int,
+                 device: torch.device | str) -> Tensor:
+    """[B, L, layers, k] int64: row i's recorded experts at its first positions, -1 after."""
+    grid = torch.full((len(items), length, layers, k), -1, dtype=torch.long)
+    for row, item in enumerate(items):
+        routed = item.routed
+        if routed is None:
+            continue
+        if (routed.layers, routed.k) != (layers, k):
+            raise ValueError(f"sample {row} of the micro-batch: routed experts for "
+                             f"{routed.layers} layers x top-{routed.k}; the model has {layers} "
+                             f"MoE layers x top-{k} (engine and trainer models differ)")
+        fed = len(item.prompt_ids) + item.response_len - 1
+        if routed.positions != fed:
+            raise ValueError(f"sample {row} of the micro-batch: routed experts for "
+                             f"{routed.positions} positions, its prompt and response feed {fed}")
+        grid[row, :fed] = unpack_routed(routed)
+    return grid.to(device)
+
+
+class TrainerRouting:
+    def __init__(self, model: torch.nn.Module):
+        self.routing = Routing(model)
+        self._first_micro_batch = False
+        self._mismatch: dict[str, float] = {}
+        self._replayed = self._unreplayed = 0.0
+
+    @property
+    def layers(self) -> int:
+        return self.routing.layers
+
+    def start_collection(self) -> None:
+        """Before the collection's anchor pass: measure under its pre-update weights."""
+        self.routing.measure, self._first_micro_batch = True, True
+        self._mismatch, self._replayed, self._unreplayed = {}, 0.0, 0.0
+
+    def after_first_step(self) -> None:
+        self.routing.measure = False
+
+    def observe(self, batch: PackedBatch, items: Sequence[TrainItem], logprobs_BT: Tensor,
+                scorer, temperature: float) -> None:
+        """After a training forward: count replayed tokens; on the collection's first
+        micro-batch also the log-prob mismatch with the engine's experts and with own."""
+        for item in items:
+            n = item.trained_tokens
+            if item.routed is None:
+                self._unreplayed += n
+            else:
+                self._replayed += n
+        if not self._first_micro_batch or batch.routing_BLMK is None:
+            return
+        self._first_micro_batch = False
+        mask = batch.mask_BT
+        if not bool(mask.any()):
+            return
+        behaviour = batch.behavior_BT[mask]
+        with torch.no_grad():
+            own_BT, _ = scorer(dataclasses.replace(batch, routing_BLMK=None), temperature)
+        self._mismatch = {
+            "replay": float((logprobs_BT.detach()[mask] - behaviour).abs().mean()),
+            "own": float((own_BT.detach().float()[mask] - behaviour).abs().mean())}
+
+    def metrics(self) -> dict[str, float]:
+        agree, compared = self.routing.take_agreement()
+        out = {"train/routing_replayed_tokens": self._replayed,
+               "train/routing_unreplayed_tokens": self._unreplayed}
+        if compared:
+            out["train/routing_agreement"] = agree / compared
+        if self._mismatch:
+            out["train/routing_logprob_mismatch_replay"] = self._mismatch["replay"]
+            out["train/routing_logprob_mismatch_own"] = self._mismatch["own"]
+        return out
