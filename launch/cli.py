@@ -81,6 +81,10 @@ def _print_memory(console, memory) -> None:
     totals = [str(m[f"{w}_gb_per_gpu"]) for w in ("trainer", "engine") if w in m["breakdown"]]
     table.add_row("[bold]total per GPU[/bold]", *totals)
     console.print(table)
+    if "moe" in m["breakdown"]:
+        from rl_async.plan.moe_checks import describe
+
+        console.print(describe(m["breakdown"]["moe"]), soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

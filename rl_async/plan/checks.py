@@ -18,6 +18,7 @@ from rl_async.plan.capacity import CapacityPlan, Warning_, plan_capacity
 from rl_async.plan.config import RunConfig
 from rl_async.plan.environment_checks import template_report, trajectory_errors
 from rl_async.plan.memory import MemoryPlan, plan_memory
+from rl_async.plan.moe_checks import moe_errors
 from rl_async.plan.publication_budget import publication_errors
 from rl_async.plan.schedule import publication_lag_errors
 
@@ -392,7 +393,7 @@ def validate(cfg: RunConfig) -> Report:
     errors = (errors + refresh_errors(cfg, plan) + placement_errors(cfg, plan)
               + trainer_layout_errors(cfg, plan) + publication_errors(cfg, plan)
               + step_errors(cfg, plan)
-              + publication_lag_errors(cfg, plan) + architecture_errors(cfg))
+              + publication_lag_errors(cfg, plan) + architecture_errors(cfg) + moe_errors(cfg))
     errors += trajectory_errors(cfg)
     template_errors, template_warnings = template_report(cfg) if not errors else ([], [])
     memory, note, mem_warnings, mem_errors = (None, "", [], [])

@@ -235,6 +235,9 @@ class TrainSection(Section):
     # Mixture-of-experts models: the trainer reuses the experts each engine chose ("r3",
     # docs/models.md); "auto" = r3 for MoE models, off for dense ones.
     routing_replay: Literal["auto", "r3", "off"] = "auto"
+    # megatron, MoE models: ranks each layer's experts are split over (expert_model_parallel);
+    # divides the experts and the data-parallel size (rl_async/plan/moe_checks.py).
+    expert_parallel: PositiveInt = 1
     # megatron: "transformer_engine" (fused/flash attention, no s x s matrix; needs TE on a
     # GPU), "local" (megatron's unfused attention: builds the s x s scores in fp32), or
     # "auto" (TE when it is importable on a GPU, else local; the memory plan assumes TE on GPU).

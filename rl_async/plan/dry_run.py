@@ -69,6 +69,12 @@ def dry_run_config(cfg: RunConfig, overrides: tuple[str, ...] | list[str] = ()
         data["run"]["audit_fraction"] = 0.0
         notes.append(f"run.audit_fraction {cfg.run.audit_fraction:g} -> 0 (the provenance "
                      f"audit needs a real model)")
+    # the config-only model is dense: no experts to split or routes to replay (expert
+    # parallelism never changes the data-parallel ranks, so the plan keeps its counts)
+    if cfg.train.expert_parallel > 1 or cfg.train.routing_replay == "r3":
+        data["train"].update(expert_parallel=1, routing_replay="auto")
+        notes.append(f"train.expert_parallel {cfg.train.expert_parallel} -> 1, "
+                     f"train.routing_replay -> 'auto' (the dry run's model is dense)")
     data["run"]["name"] = f"{cfg.run.name}-dry-run"
     if "run.output_dir" not in set_keys:  # the file's shared storage may not exist here
         data["run"]["output_dir"] = DRY_RUN_OUTPUT_DIR

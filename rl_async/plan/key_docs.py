@@ -244,7 +244,14 @@ KEYS: dict[str, Doc] = {
                                rule="UNUSED_KEY unless train.backend = 'torch'"),
     "train.routing_replay": Doc("MoE models: the trainer reuses the top-k experts the "
                                 "engine chose for every token ('r3'); 'auto' = r3 for MoE "
-                                "models, off for dense; docs/models.md"),
+                                "models, off for dense; docs/models.md",
+                                rule="'r3' refused for a dense model; memory plan "
+                                     "moe.replay_bytes_per_sample"),
+    "train.expert_parallel": Doc("megatron, MoE models: GPUs each layer's experts are split "
+                                 "over (expert_model_parallel); the memory plan shards the "
+                                 "expert weights by it", "GPUs",
+                                 "needs megatron and an MoE model; divides the experts and "
+                                 "trainer_workers / (TP x PP)"),
     "train.transformer_impl": Doc("megatron attention: 'transformer_engine', 'local' "
                                   "(unfused, s x s scores) or 'auto'",
                                   rule="memory plan attention"),

@@ -13,7 +13,10 @@ and how they compare with measurements are in docs/memory.md; in short, per trai
 
 and per engine GPU (SGLang): the static pool (`sglang.mem_fraction_static` of the GPU: the
 weights, then the KV cache in the rest of it) plus an allowance for activations and CUDA
-graphs outside it.
+graphs outside it. Mixture-of-experts models (rl_async/plan/moe.py reads their experts): a
+mixture layer holds the router and every routed expert instead of the dense MLP; megatron
+shards the experts over train.expert_parallel and TP (its default expert_tensor_parallel_size),
+the distributed optimizer over the DP / EP ranks that hold the same experts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from typing import TYPE_CHECKING
+
+from rl_async.plan.moe import MoEDims, moe_dims
 
 if TYPE_CHECKING:  # the GPU checks use this module on machines without pydantic
     from rl_async.plan.capacity import CapacityPlan, Warning_
@@ -54,38 +59,92 @@ class Dims:
     ffn: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False          # Qwen3: RMSNorm over each head's q and k
+    moe: MoEDims | None = None     # None: dense
+    shared_gate: bool = False      # Qwen2-MoE: a sigmoid gate (h -> 1) on the shared expert
 
     @classmethod
     def from_config(cls, c: dict[str, Any]) -> Dims:
         heads = int(c["num_attention_heads"])
         hidden = int(c["hidden_size"])
+        kind = c.get("model_type")
+        moe = moe_dims(c)
         return cls(vocab=int(c["vocab_size"]), hidden=hidden,
                    layers=int(c["num_hidden_layers"]), heads=heads,
                    kv_heads=int(c.get("num_key_value_heads") or heads),
                    head_dim=int(c.get("head_dim") or hidden // heads),
                    ffn=int(c["intermediate_size"]), tied=bool(c.get("tie_word_embeddings")),
-                   qkv_bias=c.get("model_type") == "qwen2")
+                   qkv_bias=kind == "qwen2" or (kind == "qwen2_moe" and c.get("qkv_bias", True)),
+                   qk_norm=kind in ("qwen3", "qwen3_moe"), moe=moe,
+                   shared_gate=kind == "qwen2_moe" and bool(moe and moe.shared_ffn))
 
     @property
-    def layer_params(self) -> int:
+    def attention_params(self) -> int:
+        """One layer's attention and its two norms (the part dense and mixture layers share)."""
         h, d = self.hidden, self.head_dim
         qkv = h * (self.heads + 2 * self.kv_heads) * d
         bias = (self.heads + 2 * self.kv_heads) * d if self.qkv_bias else 0
-        return qkv + bias + self.heads * d * h + 3 * h * self.ffn + 2 * h
+        qk_norm = 2 * d if self.qk_norm else 0
+        return qkv + bias + self.heads * d * h + 2 * h + qk_norm
+
+    @property
+    def layer_params(self) -> int:
+        """A dense layer: attention and a SwiGLU MLP (gate, up, down)."""
+        return self.attention_params + 3 * self.hidden * self.ffn
+
+    @property
+    def moe_layer_params(self) -> int:
+        """A mixture layer: attention, the router (experts x h), every routed expert's SwiGLU
+        and any shared expert's (with Qwen2-MoE's gate on it)."""
+        m, h = self.moe, self.hidden
+        if m is None:
+            return self.layer_params
+        return (self.attention_params + m.experts * h + m.experts * 3 * h * m.expert_ffn
+                + 3 * h * m.shared_ffn + (h if self.shared_gate else 0))
+
+    @property
+    def expert_params(self) -> int:
+        """Every routed expert of the model: what train.expert_parallel shards."""
+        m = self.moe
+        return m.moe_layers * m.experts * 3 * self.hidden * m.expert_ffn if m else 0
+
+    @property
+    def body_params(self) -> int:
+        """All decoder layers, dense and mixture."""
+        moe_layers = self.moe.moe_layers if self.moe else 0
+        return (self.layers - moe_layers) * self.layer_params + moe_layers * self.moe_layer_params
 
     @property
     def params(self) -> int:
-        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params
+        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.body_params
                 + self.hidden)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: top_k of each mixture layer's experts."""
+        m = self.moe
+        if m is None:
+            return self.params
+        return self.params - m.moe_layers * (m.experts - m.top_k) * 3 * self.hidden * m.expert_ffn
 
     def activation_bytes_per_token(self, tp: int, elem: int, swiglu: int = 3) -> float:
         """One layer's saved activations per token, sharded over TP (linear terms only):
         input and post-attention residuals and norm outputs (4h), q/k/v, the rotated q/k and
         the attention context ((a + 2g) + (a + g) + a) d / t, and SwiGLU's `swiglu` x f / t
-        (`swiglu_saved`: what the MLP path that runs keeps)."""
+        (`swiglu_saved`: what the MLP path that runs keeps). A mixture layer keeps instead
+        the router's scores (experts), the top_k copies of each token its experts read
+        (top_k x h) and SwiGLU over top_k x expert_ffn (and a shared expert's width): the
+        mean over the layers, assuming balanced routing."""
         d, a, g = self.head_dim, self.heads, self.kv_heads
-        elems = 4 * self.hidden + ((a + 2 * g) + (a + g) + a) * d / tp + swiglu * self.ffn / tp
-        return elems * elem
+        common = 4 * self.hidden + ((a + 2 * g) + (a + g) + a) * d / tp
+        dense = common + swiglu * self.ffn / tp
+        m = self.moe
+        if m is None:
+            return dense * elem
+        mixture = (common + m.experts + m.top_k * self.hidden
+                   + swiglu * (m.top_k * m.expert_ffn + m.shared_ffn) / tp)
+        mean = ((self.layers - m.moe_layers) * dense + m.moe_layers * mixture) / self.layers
+        return mean * elem
 
 
 def swiglu_saved(backend: str, fused: bool) -> int:
@@ -110,6 +169,7 @@ class MemoryInputs:
     trainer_gpus: int
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    expert_parallel: int = 1
     transformer_impl: str = "auto"
     recompute: str = "none"
     micro_batch_size: int = 1
@@ -127,7 +187,8 @@ def inputs(cfg: RunConfig) -> MemoryInputs:
     return MemoryInputs(
         backend=t.backend, trainer_workers=c.trainer_workers, trainer_gpus=c.trainer_gpus,
         tensor_parallel=t.tensor_parallel, pipeline_parallel=t.pipeline_parallel,
-        transformer_impl=t.transformer_impl, recompute=t.recompute,
+        expert_parallel=t.expert_parallel, transformer_impl=t.transformer_impl,
+        recompute=t.recompute,
         micro_batch_size=t.micro_batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
         prompt_tokens=_prompt_tokens(cfg), max_response_len=_response_tokens(cfg),
         half_precision=cfg.model.dtype in ("bfloat16", "float16"),
@@ -189,11 +250,15 @@ def _tokens_per_micro_batch(m: MemoryInputs) -> tuple[int, int]:
 def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
     """Bytes per trainer GPU, by part, for the run's backend and layout."""
     megatron = m.backend == "megatron"
-    tp, pp = (m.tensor_parallel, m.pipeline_parallel) if megatron else (1, 1)
+    tp, pp, ep = ((m.tensor_parallel, m.pipeline_parallel, m.expert_parallel) if megatron
+                  else (1, 1, 1))
     dp = max(1, m.trainer_workers // (tp * pp))
     layers = dims.layers // pp
-    stage_params = (layers * dims.layer_params
-                    + dims.vocab * dims.hidden * (1 if pp > 1 or dims.tied else 2)) / tp
+    stage = layers / max(dims.layers, 1)               # the first stage's share of the layers
+    experts = dims.expert_params * stage / tp          # its experts over TP ...
+    shared = (dims.body_params * stage / tp - experts
+              + dims.vocab * dims.hidden * (1 if pp > 1 or dims.tied else 2) / tp)
+    stage_params = shared + experts / ep               # ... and over EP
     half = m.half_precision
     tokens, seq = _tokens_per_micro_batch(m)
     out: dict[str, float | str] = {"parameters": dims.params, "tokens_per_micro_batch": tokens}
@@ -202,7 +267,9 @@ def trainer_memory(m: MemoryInputs, dims: Dims) -> dict[str, float | str]:
             "transformer_engine" if m.trainer_gpus else "local")
         out["weights"] = stage_params * (2 if half else 4)
         out["gradients"] = stage_params * 4                       # grad_reduce_in_fp32
-        out["optimizer"] = stage_params * ((4 if half else 0) + 8) / dp  # distributed: sharded
+        # distributed optimizer: each weight's state sharded over the ranks holding a copy
+        # of it (DP; an expert's over DP / EP, so EP leaves the expert state per GPU alone)
+        out["optimizer"] = (shared + experts) * ((4 if half else 0) + 8) / dp
         elem = 2 if half else 4
         fused = (bool(m.trainer_gpus) if m.activation_fusion is None
                  else m.activation_fusion)
@@ -281,12 +348,16 @@ def plan_memory(cfg: RunConfig, plan: CapacityPlan
     errors: list[str] = []
     trainer_gb = engine_gb = None
     breakdown: dict[str, Any] = {"source": source}
+    if dims.moe is not None:
+        from rl_async.plan.moe_checks import moe_facts  # it reads this module's inputs()
+        breakdown["moe"] = moe_facts(cfg, dims, plan)
     if cfg.train.backend != "synthetic":
         parts = trainer_memory(inputs(cfg), dims)
         trainer_gb = round(_bytes(parts) / GiB, 2)
         breakdown["trainer"] = _gib(parts)
         if cfg.cluster.trainer_gpus:
-            _check("TRAINER_MEMORY", "trainer", trainer_gb, gpu, parts, warnings, errors)
+            _check("TRAINER_MEMORY", "trainer", trainer_gb, gpu, parts, warnings, errors,
+                   " or train.expert_parallel" if dims.moe else "")
     if cfg.engine.backend == "sglang" and cfg.cluster.inference_gpus:
         parts = engine_memory(cfg, dims, plan)
         engine_gb = round((parts["static_pool"] + parts["outside_pool"]) / GiB, 2)
@@ -296,7 +367,7 @@ def plan_memory(cfg: RunConfig, plan: CapacityPlan
 
 
 def _check(code: str, who: str, need: float, gpu: float, parts: dict, warnings: list,
-           errors: list) -> None:
+           errors: list, also: str = "") -> None:
     from rl_async.plan.capacity import Warning_
 
     top = sorted(((v, k) for k, v in parts.items() if isinstance(v, float)
@@ -308,7 +379,7 @@ def _check(code: str, who: str, need: float, gpu: float, parts: dict, warnings: 
         errors.append(f"{msg}: it does not fit; lower train.max_tokens_per_microbatch or "
                       f"train.micro_batch_size, set train.recompute = 'selective', "
                       f"train.transformer_impl = 'transformer_engine', or raise "
-                      f"train.tensor_parallel")
+                      f"train.tensor_parallel{also}")
     elif need > 0.9 * gpu:
         warnings.append(Warning_(code, f"{msg}: over 90% of the GPU, little room for "
                                        f"fragmentation"))
