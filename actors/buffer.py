@@ -74,7 +74,8 @@ class BufferActor:
         await self._acked()
         return groups
 
-    async def set_version(self, version: int, engine_version: int | None = None) -> None:
+    async def set_version(self, version: int | None, engine_version: int | None = None
+                          ) -> None:
         self.buffer.set_version(version, engine_version)
         await self._acked()  # stale evictions at the new version
 

@@ -44,7 +44,7 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             sampling_seed=cfg.run.seed * 1000 + index + 1_000_003 * start_version,
             batch_invariant=cfg.run.deterministic,
             request_timeout_s=cfg.sglang.request_timeout_s,
-            record_routing=replay_for(cfg)))
+            record_routing=replay_for(cfg, cfg.train.routing_replay)))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
 
     s = cfg.sglang

@@ -286,7 +286,8 @@ class RayFleet(FleetPublication):
             ray.cancel(ref)  # (an async actor's task is cancelled where it waits, taking none)
             raise
 
-    async def buffer_set_version(self, version: int, engine_version: int | None = None) -> None:
+    async def buffer_set_version(self, version: int | None, engine_version: int | None = None
+                                 ) -> None:
         await self.bounded(self.buffer.set_version.remote(version, engine_version),
                            "completed-buffer.set_version")
 

@@ -58,7 +58,8 @@ def build_trainer(cfg: RunConfig, plan: CapacityPlan, rank: int, world: int):
         eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high, tis_clip=t.tis_clip,
         tis_clip_low=t.tis_clip_low, use_tis=t.use_tis, corrections=corrections_from(t),
         use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
-        temperature=cfg.rollout.temperature, routing_replay=replay_for(cfg),
+        temperature=cfg.rollout.temperature,
+        routing_replay=replay_for(cfg, cfg.train.routing_replay),
         device="cuda" if cfg.cluster.trainer_gpus else "cpu"), rank, world)
 
 

@@ -180,9 +180,14 @@ class CompletedBuffer:
             return math.inf
         return max(0, self._limit() - len(self._groups))
 
-    def set_version(self, version: int, engine_version: int | None = None) -> None:
-        """The controller's latest policy version (the threshold of stale eviction) and, when
-        it knows, the version every engine now holds (the admission bound's floor)."""
+    def set_version(self, version: int | None, engine_version: int | None = None) -> None:
+        """The controller's latest policy version (the threshold of stale eviction; None:
+        unchanged) and, when it knows, the version every engine now holds (the admission
+        bound's floor). A landing publication sends only the engine version: it runs beside
+        the training loop, and a trainer version read there could reach this actor after a
+        newer one the loop sent (seen once in a benchmark: 31 after 32)."""
+        if version is None:
+            version = self._version
         self._advance_version(version, "set_version")
         if self.admission is not None:
             self.admission.bound.set_trainer_version(version)

@@ -52,7 +52,7 @@ class Fleet(PublicationOps, Protocol):
     async def producer_stop(self) -> None: ...
     async def producer_set_budget(self, groups: int) -> None: ...
     async def get_groups(self, n: int, version: int) -> list[Group]: ...
-    async def buffer_set_version(self, version: int,
+    async def buffer_set_version(self, version: int | None,
                                  engine_version: int | None = None) -> None: ...
     async def buffer_reserve(self, n_groups: int) -> None: ...
     async def producer_groups_owned(self) -> int: ...
@@ -97,7 +97,7 @@ class Controller:
         self.provenance = ProvenanceTotals()  # run.audit_fraction's findings
         self.offpolicy = OffPolicyStats(cfg.train.policy_loss, cfg.train.is_mask)
         self.routing = RoutingStats(moe=moe_dims(architecture(cfg)[0]) is not None,
-                                    replay=replay_for(cfg))
+                                    replay=replay_for(cfg, cfg.train.routing_replay))
         self.staleness = StalenessSplit()
         self.health = health_for(cfg, plan)  # async.health_control (loop/health.py)
         self.watchdog_s = watchdog_s
@@ -262,7 +262,7 @@ class Controller:
         admission bound's floor), not when the controller next awaits it (a collection
         later when publications overlap training)."""
         result = await self.publisher.publish(version, self.fleet, snapshotted)
-        await self.fleet.buffer_set_version(self.version, version)
+        await self.fleet.buffer_set_version(None, version)
         return result
 
     async def _land_current_version(self) -> None:

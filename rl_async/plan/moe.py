@@ -76,8 +76,9 @@ def routing_replay_on(setting: str, config: dict[str, Any] | None) -> bool:
     return setting == "r3" or (setting == "auto" and moe_dims(config) is not None)
 
 
-def replay_for(cfg) -> bool:
-    """Whether this run records and replays routing (its model's config, where readable)."""
+def replay_for(cfg, setting: str) -> bool:
+    """`setting` (cfg.train.routing_replay) for this run's model: whether it records and
+    replays routing (the model's config where readable)."""
     from rl_async.plan.memory import architecture  # memory reads this module's dims
 
-    return routing_replay_on(cfg.train.routing_replay, architecture(cfg)[0])
+    return routing_replay_on(setting, architecture(cfg)[0])

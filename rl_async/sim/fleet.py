@@ -268,7 +268,8 @@ class SimFleet:
             await asyncio.sleep(self.timings.collection_transport_s)
         return groups
 
-    async def buffer_set_version(self, version: int, engine_version: int | None = None) -> None:
+    async def buffer_set_version(self, version: int | None,
+                                 engine_version: int | None = None) -> None:
         await self._control()
         self.buffer.set_version(version, engine_version)
         await self._control()

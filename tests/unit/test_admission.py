@@ -158,3 +158,15 @@ def test_tickets_are_banked_so_most_groups_open_without_a_round_trip():
     summary = asyncio.run(Controller(cfg, plan, fleet, lambda m, s: None).run())
     opened = summary["ledger"]["submitted_groups"]
     assert opened >= 8 * plan.rollout_batch_size and len(calls) <= opened / 4
+
+
+def test_a_landing_publication_moves_only_the_engine_version():
+    """The controller's landing task sends (None, engine version): the trainer version the
+    loop sent before it stays, whatever order the two calls arrive in."""
+    buf = CompletedBuffer(8, max_lag=1, admission=AdmissionBound(1, 2, 1))
+    buf.set_version(32)
+    buf.set_version(None, engine_version=31)
+    assert buf._version == 32
+    assert buf.admission.bound.engine_version == 31
+    with pytest.raises(ValueError, match="older than version 32"):
+        buf.set_version(31)
