@@ -46,6 +46,8 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
             request_timeout_s=cfg.sglang.request_timeout_s,
             record_routing=replay_for(cfg, cfg.train.routing_replay)))
     from rl_async.engine.sglang_engine import SGLangEngine, SGLangEngineConfig
+    from rl_async.engine.sglang_routing import routing_layout
+    from rl_async.plan.memory import architecture
 
     s = cfg.sglang
     server_args = {"dtype": cfg.model.dtype}
@@ -67,6 +69,9 @@ def build_engine(cfg: RunConfig, index: int, start_version: int = 0) -> Engine:
         mem_fraction_static=s.mem_fraction_static, max_running_requests=s.max_running_requests,
         speculative_algorithm=s.speculative_algorithm,
         disaggregation_mode=s.disaggregation_mode, ignore_eos=s.ignore_eos,
+        # MoE routing replay: config.json is read here, on the engine's node, where SGLang
+        # reads it too
+        routed_experts=routing_layout(cfg.train.routing_replay, *architecture(cfg)),
         launch_module=s.launch_module, python_executable=s.python,
         server_args={**server_args, **s.extra_args},
         startup_timeout_s=s.startup_timeout_s, generate_timeout_s=s.request_timeout_s))

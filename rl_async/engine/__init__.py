@@ -2,5 +2,6 @@
 engine, the SGLang client and launcher, the router, and the synthetic engine with its timing
 models.
 
-Imports: `base`, `state` (models, the weights codec, collective groups); never the loop.
+Imports: `base`, `plan` (a config's experts: plan.moe), `state` (models, the weights codec,
+collective groups); never the loop.
 """

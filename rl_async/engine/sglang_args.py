@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from rl_async.engine.sglang_routing import FLAG as ROUTED_EXPERTS_FLAG, RoutingLayout
 from rl_async.state.collective import NCCL_ENV
 
 SGLANG_VERSION = "0.5.23"  # the SGLang release this backend speaks to (pyproject extra `sglang`)
@@ -38,6 +39,7 @@ _MANAGED_ARGS = {
     "base_gpu_id": "gpu_ids (the server sees only its own GPUs; base_gpu_id stays 0)",
     "speculative_algorithm": "speculative_algorithm (sglang.speculative_algorithm)",
     "disaggregation_mode": "disaggregation_mode (sglang.disaggregation_mode)",
+    "enable_return_routed_experts": "routed_experts (train.routing_replay)",
 }
 
 
@@ -65,6 +67,10 @@ class SGLangEngineConfig:
     speculative_algorithm: str | None = None
     # `--disaggregation-mode`: "null" (a normal server), "prefill" or "decode".
     disaggregation_mode: str = "null"
+    # MoE routing replay (train.routing_replay on, sglang_routing.routing_layout): launch
+    # with --enable-return-routed-experts, ask every /generate for the experts and parse
+    # them into GenerateOutput.routed_experts. None = off (SGLang then keeps no buffers).
+    routed_experts: RoutingLayout | None = None
     # Extra `sglang.launch_server` flags from the run file, e.g. {"dtype": "bfloat16",
     # "disable_radix_cache": True, "cuda_graph_max_bs_decode": 64}. True = bare flag,
     # False/None = omit. SGLang parses its flags strictly: a typo fails the launch.
@@ -172,6 +178,8 @@ def build_server_args(config: SGLangEngineConfig, port: int) -> list[str]:
         argv += ["--speculative-algorithm", config.speculative_algorithm]
     if config.disaggregation_mode != "null":
         argv += ["--disaggregation-mode", config.disaggregation_mode]
+    if config.routed_experts is not None:
+        argv.append(ROUTED_EXPERTS_FLAG)
     for key, value in config.server_args.items():
         argv += _extra_arg(key, value)
     return argv

@@ -258,7 +258,9 @@ class SGLangEngine(Engine):
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
                        request_id: str | None = None) -> GenerateOutput:
         rid = request_id or uuid.uuid4().hex
-        payload = proto.generate_payload(input_ids, sampling_params, rid, self.config.ignore_eos)
+        routing = self.config.routed_experts
+        payload = proto.generate_payload(input_ids, sampling_params, rid, self.config.ignore_eos,
+                                         return_routed_experts=routing is not None)
         start_version = self._weight_version
         self._in_flight.add(rid)
         try:
@@ -268,7 +270,8 @@ class SGLangEngine(Engine):
                                     bad_request=InvalidRequestError)
         finally:
             self._in_flight.discard(rid)
-        return proto.parse_generate_response(body, rid, start_version, prompt_len=len(input_ids))
+        return proto.parse_generate_response(body, rid, start_version, prompt_len=len(input_ids),
+                                             routing=routing)
 
     async def abort(self, request_id: str | None = None) -> int:
         """SGLang does not say how many it aborted; this counts this client's open requests."""

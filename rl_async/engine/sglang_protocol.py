@@ -29,6 +29,9 @@ Per-token versions: 0.5.23 reports `meta_info.weight_versions`, spans
 sampled under (a retracted request keeps the versions its tokens were sampled with). When a
 server does not report spans, every token gets `min(version seen at request start, version
 reported at the end)`: conservative, because a response is never younger than its oldest token.
+
+Routed experts (MoE routing replay): `return_routed_experts` in, `meta_info.routed_experts`
+out; the format and its source are in sglang_routing.py.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from rl_async.engine.base import (
     InvalidRequestError,
     SamplingParams,
 )
+from rl_async.engine import sglang_routing
 
 # torch dtype names SGLang accepts (it resolves them with getattr(torch, name)).
 _DTYPES = {
@@ -53,9 +57,11 @@ _FINISH_TYPES = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def generate_payload(input_ids: list[int], params: SamplingParams, rid: str,
-                     ignore_eos: bool = False) -> dict[str, Any]:
+                     ignore_eos: bool = False,
+                     return_routed_experts: bool = False) -> dict[str, Any]:
     """The /generate body: token ids in, log-probs of the sampled tokens out. `ignore_eos`
-    also disables `stop_token_ids` in SGLang (Req.check_finished): rollouts keep it False."""
+    also disables `stop_token_ids` in SGLang (Req.check_finished): rollouts keep it False.
+    `return_routed_experts`: the experts of every fed position too (sglang_routing)."""
     if not input_ids:
         raise InvalidRequestError(f"request {rid!r}: input_ids is empty: give at least one token")
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in input_ids):
@@ -75,7 +81,7 @@ def generate_payload(input_ids: list[int], params: SamplingParams, rid: str,
         sampling["stop_token_ids"] = [int(t) for t in params.stop_token_ids]
     if params.seed is not None:
         sampling["sampling_seed"] = int(params.seed)
-    return {
+    payload = {
         "rid": rid,
         "input_ids": list(input_ids),
         "sampling_params": sampling,
@@ -84,6 +90,10 @@ def generate_payload(input_ids: list[int], params: SamplingParams, rid: str,
         "logprob_start_len": -1,
         "stream": False,
     }
+    if return_routed_experts:
+        # Only when asked: the reply then grows by 16/3 bytes per position, layer and expert.
+        payload[sglang_routing.REQUEST_FIELD] = True
+    return payload
 
 
 def abort_payload(rid: str | None) -> dict[str, Any]:
@@ -209,8 +219,12 @@ def _require(mapping: Any, key: str, where: str) -> Any:
     return mapping[key]
 
 
-def parse_generate_response(body: Any, rid: str, start_version: int,
-                            prompt_len: int = 0) -> GenerateOutput:
+def parse_generate_response(
+        body: Any, rid: str, start_version: int, prompt_len: int = 0,
+        routing: sglang_routing.RoutingLayout | None = None) -> GenerateOutput:
+    """`routing`: the request asked for routed experts (sglang_routing); a finished reply
+    must then carry them. An aborted one need not (SGLang collects them at a normal finish,
+    and the producer discards or resends an abort), so it gets none."""
     where = f"POST /generate (rid {rid!r})"
     output_ids = _require(body, "output_ids", where)
     meta = _require(body, "meta_info", where)
@@ -235,10 +249,15 @@ def parse_generate_response(body: Any, rid: str, start_version: int,
         logprobs.append(float(entry[0]))
     finish = _parse_finish_reason(_require(meta, "finish_reason", where + " meta_info"), where)
     versions = token_versions(meta, len(output_ids), start_version, where)
+    routed = None
+    if routing is not None and finish != "abort":
+        routed = sglang_routing.parse_routed_experts(meta, routing, prompt_len,
+                                                     len(output_ids), where)
     return GenerateOutput(request_id=rid, output_ids=[int(t) for t in output_ids],
                           output_logprobs=logprobs, token_versions=versions,
                           finish_reason=finish, prompt_len=prompt_len,
-                          refreshes=int(meta.get("num_retractions", 0) or 0))
+                          refreshes=int(meta.get("num_retractions", 0) or 0),
+                          routed_experts=routed)
 
 
 def _parse_finish_reason(reason: Any, where: str) -> str:

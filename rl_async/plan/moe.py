@@ -42,16 +42,22 @@ def _first(config: dict[str, Any], names: tuple[str, ...]) -> Any:
     return next((config[n] for n in names if config.get(n) is not None), None)
 
 
-def moe_layer_count(config: dict[str, Any]) -> int:
-    """Decoder layers with a mixture MLP. Qwen2/3-MoE: `mlp_only_layers` are dense and only
-    every `decoder_sparse_step`-th layer is sparse; DeepSeek-V3: the first
-    `first_k_dense_replace` layers are dense; the others: every layer."""
+def moe_layer_ids(config: dict[str, Any]) -> tuple[int, ...]:
+    """Indices of the decoder layers with a mixture MLP. Qwen2/3-MoE: `mlp_only_layers` are
+    dense and only every `decoder_sparse_step`-th layer is sparse; DeepSeek-V3: the first
+    `first_k_dense_replace` layers are dense; the others: every layer. (SGLang reports
+    routes for every decoder layer, dense ones as zeros: its engine keeps these.)"""
     layers = int(config.get("num_hidden_layers", 0))
     dense_only = set(config.get("mlp_only_layers") or [])
     step = int(config.get("decoder_sparse_step") or 1)
     first_dense = int(config.get("first_k_dense_replace") or 0)
-    return sum(1 for i in range(layers)
-               if i not in dense_only and (i + 1) % step == 0 and i >= first_dense)
+    return tuple(i for i in range(layers)
+                 if i not in dense_only and (i + 1) % step == 0 and i >= first_dense)
+
+
+def moe_layer_count(config: dict[str, Any]) -> int:
+    """Decoder layers with a mixture MLP (`moe_layer_ids`)."""
+    return len(moe_layer_ids(config))
 
 
 def moe_dims(config: dict[str, Any] | None) -> MoEDims | None:

@@ -99,6 +99,41 @@ def test_generate_payload_passes_sglang_generate_contract():
     SGLangSamplingParams(**payload["sampling_params"]).verify(vocab_size=32000)
 
 
+def test_routed_experts_flag_request_and_reply_match_sglang():
+    """Routing replay: the flag sets ServerArgs.enable_return_routed_experts, the request
+    field is GenerateReqInput's, and a reply encoded by SGLang's own detokenizer parses."""
+    import torch
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    from rl_async.engine.sglang_routing import RoutingLayout
+
+    layout = RoutingLayout(hidden_layers=3, top_k=2, experts=8, moe_layers=(1, 2))
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    on = SGLangEngineConfig(model_path="/ckpt/tiny", routed_experts=layout)
+    assert parser.parse_args(build_server_args(on, 1)).enable_return_routed_experts is True
+    off = SGLangEngineConfig(model_path="/ckpt/tiny")
+    assert parser.parse_args(build_server_args(off, 1)).enable_return_routed_experts is False
+
+    payload = proto.generate_payload([1, 2, 3], SamplingParams(max_new_tokens=2), "rid-r",
+                                     return_routed_experts=True)
+    GenerateRequest.from_json_value(payload)
+    assert io_struct.GenerateReqInput(**payload).return_routed_experts is True
+
+    routes = torch.zeros(3 + 2 - 1, 3, 2, dtype=torch.int32)  # prompt + output - 1 rows
+    routes[:, 1:, 0], routes[:, 1:, 1] = 5, 7
+    [encoded] = DetokenizerManager._b64_encode_per_request([routes])
+    reply = {"text": "", "output_ids": [4, 5],
+             "meta_info": {"id": "rid-r", "finish_reason": {"type": "length", "length": 2},
+                           "prompt_tokens": 3, "completion_tokens": 2,
+                           "output_token_logprobs": [[-0.1, 4, None], [-0.2, 5, None]],
+                           "weight_version": "1", "routed_experts": encoded}}
+    assert extract_routed_experts_from_meta_info(reply).tolist() == routes.flatten().tolist()
+    out = proto.parse_generate_response(reply, "rid-r", 1, prompt_len=3, routing=layout)
+    assert out.routed_experts.rows() == routes[:, 1:].tolist()
+
+
 def test_parser_accepts_replies_in_sglang_response_schema():
     reply = {
         "text": "", "output_ids": [5, 6],
