@@ -11,8 +11,10 @@ What it reports per collection (W&B `train/routing_*`, summary `routing`):
   counted in the forwards under the collection's pre-update weights (the anchor pass, or the
   first optimizer step's forwards when there is none);
 - `logprob_mismatch_replay` / `_own`: mean |trainer log-prob - behaviour log-prob| over the
-  trained tokens of the collection's first micro-batch, with the engine's experts and with
-  the trainer's own (one extra no-grad forward of that micro-batch: the cost of knowing);
+  on-policy tokens (sampled by the very weights the trainer holds) of the first micro-batch
+  under the pre-update weights that has some, with the engine's experts and with the
+  trainer's own (one extra no-grad forward of that micro-batch: the cost of knowing). Stale
+  tokens would add policy drift to both, and old routing is no better a guess than new;
 - `replayed_tokens`: response tokens scored with recorded experts (`unreplayed_tokens`: none).
 """
 
@@ -54,7 +56,7 @@ def routing_grid(items: Sequence[TrainItem], length: int, layers: int, k: int,
 class TrainerRouting:
     def __init__(self, model: torch.nn.Module):
         self.routing = Routing(model)
-        self._first_micro_batch = False
+        self._measured = False
         self._mismatch: dict[str, float] = {}
         self._replayed = self._unreplayed = 0.0
 
@@ -64,28 +66,29 @@ class TrainerRouting:
 
     def start_collection(self) -> None:
         """Before the collection's anchor pass: measure under its pre-update weights."""
-        self.routing.measure, self._first_micro_batch = True, True
+        self.routing.measure, self._measured = True, False
         self._mismatch, self._replayed, self._unreplayed = {}, 0.0, 0.0
 
     def after_first_step(self) -> None:
         self.routing.measure = False
 
     def observe(self, batch: PackedBatch, items: Sequence[TrainItem], logprobs_BT: Tensor,
-                scorer, temperature: float) -> None:
-        """After a training forward: count replayed tokens; on the collection's first
-        micro-batch also the log-prob mismatch with the engine's experts and with own."""
+                scorer, temperature: float, version: int) -> None:
+        """After a training forward: count replayed tokens; on the first micro-batch with
+        tokens of `version` (the trainer's weights) under the pre-update weights, also the
+        log-prob mismatch with the engine's experts and with own."""
         for item in items:
             n = item.trained_tokens
             if item.routed is None:
                 self._unreplayed += n
             else:
                 self._replayed += n
-        if not self._first_micro_batch or batch.routing_BLMK is None:
+        if self._measured or not self.routing.measure or batch.routing_BLMK is None:
             return
-        self._first_micro_batch = False
-        mask = batch.mask_BT
+        mask = batch.mask_BT & (batch.versions_BT == version)
         if not bool(mask.any()):
             return
+        self._measured = True
         behaviour = batch.behavior_BT[mask]
         with torch.no_grad():
             own_BT, _ = scorer(dataclasses.replace(batch, routing_BLMK=None), temperature)

@@ -300,7 +300,8 @@ class TorchTrainer:
         with self._forward_ctx():
             logprobs_BT, entropy_BT = scorer(batch, cfg.temperature, cfg.compute_entropy)
             if self.routing is not None:
-                self.routing.observe(batch, items, logprobs_BT, self._scorer, cfg.temperature)
+                self.routing.observe(batch, items, logprobs_BT, self._scorer, cfg.temperature,
+                                     policy_version)
         # No scored anchor: this is the collection's only optimizer step, so the weights
         # are still the pre-update ones and the anchor is this forward, detached (ratio 1).
         anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()
