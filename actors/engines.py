@@ -225,6 +225,20 @@ class EngineActor:
             raise ValueError(f"debug_fault kind = {kind!r}: die_at_bucket, corrupt_bucket, "
                              f"die_before_commit, stall_at_bucket or keep_prompt_cache")
 
+    def debug_routing_noise(self, scale: float) -> None:
+        """Benchmarks: this engine's MoE routers pick their top-k from probabilities plus
+        Gaussian noise of `scale` (the gate weights stay the true probabilities there), as
+        an engine whose kernels round differently from the trainer's flips near ties
+        (benchmarks/routing_replay.py). Installs the routing hook where the run does not
+        record (train.routing_replay = "off"), without recording."""
+        from rl_async.state.moe_routing import ATTRIBUTE, Routing
+
+        routing = getattr(self.engine.model, ATTRIBUTE, None)
+        if routing is None:
+            routing = Routing(self.engine.model)
+            routing.recording = False
+        routing.perturb = scale
+
     def debug_block(self, seconds: float) -> None:
         """Chaos tests: make this engine unresponsive (its actor loop blocked) without dying,
         as a wedged server or a driver stuck in a kernel looks from outside."""

@@ -253,8 +253,9 @@ def _begin_routing(model: torch.nn.Module):
     """The model's routing recorder (MoE routing replay, state/moe_routing.py), started for
     one forward; None when the engine does not record."""
     routing = getattr(model, ROUTING, None)
-    if routing is not None:
-        routing.begin()
+    if routing is None or not routing.recording:
+        return None
+    routing.begin()
     return routing
 
 

@@ -67,7 +67,10 @@ class Routing:
         self._noise = torch.Generator().manual_seed(seed)
         self._recorded: list[torch.Tensor] | None = None
         self._forced: torch.Tensor | None = None
-        self.measure = False  # count agreement between own and forced top-k sets
+        # [N] bool: the positions whose own top-k set is compared with the forced one
+        # (agreement); None: none.
+        self.measure_rows: torch.Tensor | None = None
+        self.recording = True  # False: installed only to perturb (benchmarks), not to record
         self.agree = self.compared = 0
         for index, router in enumerate(self.routers):
             self._check(router)
@@ -127,10 +130,11 @@ class Routing:
                                    f"a forward of {own.shape[0]} tokens (router {index})")
             ids = forced[:, index].to(own.device)
             use = (ids >= 0).all(dim=-1, keepdim=True)
-            if self.measure:
+            if self.measure_rows is not None:
+                rows = use[:, 0] & self.measure_rows.to(use.device)
                 same = (ids.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
-                self.agree += int((same & use[:, 0]).sum())
-                self.compared += int(use.sum())
+                self.agree += int((same & rows).sum())
+                self.compared += int(rows.sum())
             chosen = torch.where(use, ids, own)
         if chosen is not own:
             scores = self._weights(router, logits, chosen).to(scores.dtype)

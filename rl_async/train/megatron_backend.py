@@ -45,7 +45,7 @@ from rl_async.train import megatron_model as mm
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, micro_batches, pack
 from rl_async.train.megatron_load import HFCheckpoint
-from rl_async.train.torch_trainer import lr_at
+from rl_async.train.schedule import lr_at
 from rl_async.base.types import Group
 
 # Sums this backend adds to rl_async.algo.loss.SUM_STATS (the torch backend's names).

@@ -7,15 +7,16 @@ trainer's own routing). `batching.token_logprobs` forces the grid in every forwa
 rollout tokens: the anchor pass and the training forwards.
 
 What it reports per collection (W&B `train/routing_*`, summary `routing`):
-- `agreement`: share of (token, MoE layer) pairs whose own top-k set equals the engine's,
-  counted in the forwards under the collection's pre-update weights (the anchor pass, or the
-  first optimizer step's forwards when there is none);
+- `agreement`: share of (position, MoE layer) pairs whose own top-k set equals the engine's,
+  over the on-policy samples (every trained token sampled by the weights the trainer holds)
+  in the collection's first optimizer step (its pre-update weights);
 - `logprob_mismatch_replay` / `_own`: mean |trainer log-prob - behaviour log-prob| over the
   on-policy tokens (sampled by the very weights the trainer holds) of the first micro-batch
   under the pre-update weights that has some, with the engine's experts and with the
   trainer's own (one extra no-grad forward of that micro-batch: the cost of knowing). Stale
   tokens would add policy drift to both, and old routing is no better a guess than new;
-- `replayed_tokens`: response tokens scored with recorded experts (`unreplayed_tokens`: none).
+- `replayed_tokens`: response tokens scored with recorded experts (`unreplayed_tokens`: none),
+  and the recordings' size (`replay_bytes`, over `replayed_samples`).
 """
 
 from __future__ import annotations
@@ -56,21 +57,42 @@ def routing_grid(items: Sequence[TrainItem], length: int, layers: int, k: int,
 class TrainerRouting:
     def __init__(self, model: torch.nn.Module):
         self.routing = Routing(model)
-        self._measured = False
+        self._measuring = self._measured = False
         self._mismatch: dict[str, float] = {}
         self._replayed = self._unreplayed = 0.0
+        self._bytes = self._samples = 0
 
     @property
-    def layers(self) -> int:
-        return self.routing.layers
+    def shape(self) -> tuple[int, int]:
+        """(MoE layers, top-k): the recorded experts' shape per position."""
+        return self.routing.layers, self.routing.top_k
+
+    def score(self, scorer, plain_scorer, batch: PackedBatch, items: Sequence[TrainItem],
+              temperature: float, with_entropy: bool, version: int):
+        """A training forward with the engine's experts (`scorer`: the DDP-wrapped one where
+        there is one); under the pre-update weights it also counts how often the trainer's
+        own top-k agrees with them, on the samples of `version` (on-policy: the engine ran
+        these very weights), and measures the mismatch (`observe`)."""
+        self.routing.measure_rows = None
+        if self._measuring and batch.routing_BLMK is not None:
+            on_policy_B = ((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
+            length = batch.routing_BLMK.shape[1]
+            self.routing.measure_rows = on_policy_B[:, None].expand(-1, length).reshape(-1)
+        try:
+            out = scorer(batch, temperature, with_entropy)
+        finally:
+            self.routing.measure_rows = None
+        self.observe(batch, items, out[0], plain_scorer, temperature, version)
+        return out
 
     def start_collection(self) -> None:
         """Before the collection's anchor pass: measure under its pre-update weights."""
-        self.routing.measure, self._measured = True, False
+        self._measuring, self._measured = True, False
         self._mismatch, self._replayed, self._unreplayed = {}, 0.0, 0.0
+        self._bytes = self._samples = 0
 
     def after_first_step(self) -> None:
-        self.routing.measure = False
+        self._measuring = False
 
     def observe(self, batch: PackedBatch, items: Sequence[TrainItem], logprobs_BT: Tensor,
                 scorer, temperature: float, version: int) -> None:
@@ -83,7 +105,9 @@ class TrainerRouting:
                 self._unreplayed += n
             else:
                 self._replayed += n
-        if self._measured or not self.routing.measure or batch.routing_BLMK is None:
+                self._bytes += item.routed.nbytes
+                self._samples += 1
+        if self._measured or not self._measuring or batch.routing_BLMK is None:
             return
         mask = batch.mask_BT & (batch.versions_BT == version)
         if not bool(mask.any()):
@@ -99,7 +123,9 @@ class TrainerRouting:
     def metrics(self) -> dict[str, float]:
         agree, compared = self.routing.take_agreement()
         out = {"train/routing_replayed_tokens": self._replayed,
-               "train/routing_unreplayed_tokens": self._unreplayed}
+               "train/routing_unreplayed_tokens": self._unreplayed,
+               "train/routing_replayed_samples": float(self._samples),
+               "train/routing_replay_bytes": float(self._bytes)}
         if compared:
             out["train/routing_agreement"] = agree / compared
         if self._mismatch:

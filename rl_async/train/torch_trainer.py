@@ -49,6 +49,7 @@ from rl_async.train.batching import (PolicyScorer, TrainItem, item_from_sample,
                                      micro_batches, pack, unpack_rows)
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.routing import TrainerRouting
+from rl_async.train.schedule import lr_at  # noqa: F401 -- also megatron's schedule
 from rl_async.train.distributed import check_same_on_all_ranks, is_distributed, reduce_stats
 from rl_async.state.models import build_causal_lm, resolve_dtype
 from rl_async.base.types import Group
@@ -139,16 +140,6 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def lr_at(config: TorchTrainerConfig, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): a pure function of the step, so
-    a restored checkpoint continues the schedule exactly."""
-    if config.lr_schedule == "constant":
-        return config.lr
-    progress = min(step / config.total_steps, 1.0)
-    floor = config.min_lr_ratio
-    return config.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 class TorchTrainer:
     """One data-parallel rank. With world_size > 1 the default process group must exist
     (`rl_async.train.distributed.init_distributed`)."""
@@ -169,8 +160,7 @@ class TorchTrainer:
         self._distributed = is_distributed(world_size)
         self._scorer = PolicyScorer(self.model)
         self.routing = TrainerRouting(self.model) if config.routing_replay else None
-        self._route = None if self.routing is None else (self.routing.layers,
-                                                         self.routing.routing.top_k)
+        self._route = self.routing.shape if self.routing is not None else None
         self._ddp: DistributedDataParallel | None = None
         if self._distributed:
             device_ids = [self.device.index or 0] if self.device.type == "cuda" else None
@@ -298,10 +288,12 @@ class TorchTrainer:
         batch = pack(items, self.device, cfg.pad_token_id, cfg.share_prompts, self._route)
         scorer = self._ddp if self._ddp is not None else self._scorer
         with self._forward_ctx():
-            logprobs_BT, entropy_BT = scorer(batch, cfg.temperature, cfg.compute_entropy)
-            if self.routing is not None:
-                self.routing.observe(batch, items, logprobs_BT, self._scorer, cfg.temperature,
-                                     policy_version)
+            if self.routing is None:
+                logprobs_BT, entropy_BT = scorer(batch, cfg.temperature, cfg.compute_entropy)
+            else:  # replayed, and measured (train/routing.py)
+                logprobs_BT, entropy_BT = self.routing.score(
+                    scorer, self._scorer, batch, items, cfg.temperature, cfg.compute_entropy,
+                    policy_version)
         # No scored anchor: this is the collection's only optimizer step, so the weights
         # are still the pre-update ones and the anchor is this forward, detached (ratio 1).
         anchor_BT = batch.anchor_BT if batch.anchor_BT is not None else logprobs_BT.detach()

@@ -33,6 +33,7 @@ KEYS = {
     "allocator_memory.py": {"local", "benchmark_seconds"},
     "offpolicy_lag.py": {"target_reward", "cells", "goals"},
     "staleness_prediction.py": {"cells", "within_target", "of"},
+    "routing_replay.py": {"r3", "off", "r3_over_off", "noise"},
 }
 
 # benchmark -> figures that must be finite and > 0 even at smoke sizes ("a.*.b": every entry
@@ -52,6 +53,8 @@ POSITIVE = {
     "offpolicy_lag.py": ["cells.*.*.loop_seconds"],
     "staleness_prediction.py": ["cells.*.measured.samples_per_s",
                                 "cells.*.predicted.samples_per_s"],
+    "routing_replay.py": ["r3.seconds_per_update", "off.seconds_per_update",
+                          "r3.replay_bytes_per_sample"],
 }
 
 pytestmark = pytest.mark.ray
