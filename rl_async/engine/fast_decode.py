@@ -10,7 +10,9 @@ and needs none of that: the mask is the rows' padding, the positions are given.
 projections, MLP, rotary embedding, embedding and output layer, so hub kernels and the
 oneDNN linears still apply), the same `apply_rotary_pos_emb` and the same SDPA attention
 function, and writes the same cache layers. Only the orchestration around them is ours. It
-serves Llama and Qwen2 layouts with full attention (SmolLM2 is a Llama); anything else, or a
+serves Llama, Qwen2 and Qwen3 layouts with full attention (SmolLM2 is a Llama; Qwen3 adds a
+norm of each head's queries and keys), dense or mixture-of-experts (Qwen3-MoE: the layer's
+own MLP module runs, routers and their routing replay hooks included); anything else, or a
 model whose step does not match the stock forward at start (`check`), keeps the stock forward.
 Inference only (the engine's forwards run under `torch.inference_mode`).
 """
@@ -21,7 +23,7 @@ import sys
 
 import torch
 
-SUPPORTED = ("llama", "qwen2")
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -52,6 +54,7 @@ class FastDecode:
         self.layers = list(self.inner.layers)
         self._rope = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
         self._attention = sdpa_attention_forward
+        self._qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
 
     def step(self, ids_B1: torch.Tensor, mask_BL: torch.Tensor, positions_B1: torch.Tensor,
              cache) -> torch.Tensor:
@@ -65,8 +68,10 @@ class FastDecode:
             attn = layer.self_attn
             x = layer.input_layernorm(hidden)
             shape = (batch, 1, -1, attn.head_dim)
-            q = attn.q_proj(x).view(shape).transpose(1, 2)
-            k = attn.k_proj(x).view(shape).transpose(1, 2)
+            q, k = attn.q_proj(x).view(shape), attn.k_proj(x).view(shape)
+            if self._qk_norm:  # Qwen3: RMSNorm of every head's queries and keys
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = attn.v_proj(x).view(shape).transpose(1, 2)
             q, k = self._rope(q, k, cos, sin)
             k, v = cache.layers[i].update(k, v)

@@ -1,5 +1,5 @@
-"""A tiny Qwen3-MoE with the real Qwen3 tokenizer and chat template, end to end on real
-actors with routing replay: the engine records the experts of every token, the trainer
+"""A tiny Qwen3-MoE (and a dense Qwen3) with the real Qwen3 tokenizer and chat template, end
+to end on real actors with routing replay: the engine records the experts of every token, the trainer
 replays them, recordings carry them, the summary reports them, and the export loads as the
 same architecture with weights that moved.
 
@@ -24,14 +24,17 @@ from rl_async.state.tokenizers import cached_tokenizer
 pytestmark = pytest.mark.ray
 
 
-def test_a_tiny_qwen3_moe_trains_with_routing_replay_and_exports(ray_cluster, tmp_path):
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "qwen3-tiny"])
+def test_a_tiny_qwen3_trains_with_routing_replay_and_exports(ray_cluster, tmp_path, name):
+    """Qwen3-MoE with routing replay ("auto" -> r3), and dense Qwen3 (nothing to replay)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl_async.state.prepare_model import prepare_random
 
     if cached_tokenizer("qwen3") is None:
         pytest.skip("the qwen3 tokenizer is not in the cache: rl-async prepare-tokenizer qwen3")
-    start = prepare_random("qwen3-moe-tiny", tmp_path / "model")
+    start = prepare_random(name, tmp_path / "model")
+    moe = name == "qwen3-moe-tiny"
     cfg = load_config("cluster_configs/smollm2.toml", [
         f"model.path={start}", f"run.output_dir={tmp_path}", "run.name=t-moe",
         "run.max_steps=3", "wandb.mode=disabled", "rollout.rollout_batch_size=2",
@@ -46,7 +49,18 @@ def test_a_tiny_qwen3_moe_trains_with_routing_replay_and_exports(ray_cluster, tm
     summary = json.loads(out.read_text())
     assert summary["steps"] == 3 and summary["ledger"]["unaccounted"] == 0
     routing = summary["routing"]
-    assert routing["moe"] and routing["replay"], routing
+    assert routing["moe"] == routing["replay"] == moe, routing
+    export = summary["export_dir"]
+    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM")
+    assert AutoTokenizer.from_pretrained(export, local_files_only=True).chat_template
+    before = AutoModelForCausalLM.from_pretrained(start, local_files_only=True).state_dict()
+    moved = [n for n, t in model.state_dict().items() if not torch.equal(t, before[n])]
+    assert any("self_attn" in n for n in moved), moved
+    if not moe:
+        assert routing["replayed_tokens"] == 0
+        return
+    assert any("experts" in n for n in moved) and any("mlp.gate" in n for n in moved), moved
     assert routing["replayed_tokens"] == 3 * 8 * 4 and routing["unreplayed_tokens"] == 0
     assert routing["agreement"] > 0.5  # same weights bar the updates and a kernel's rounding
     # on-policy tokens: the engine's own function, to float rounding, with its experts
@@ -63,12 +77,3 @@ def test_a_tiny_qwen3_moe_trains_with_routing_replay_and_exports(ray_cluster, tm
     assert all(len(layers) == 2 and all(len(k) == 2 and all(0 <= e < 8 for e in k)
                                         for k in layers) for layers in routed)
     assert len(sample["prompt_routed_experts"]) == len(sample["prompt_ids"]) - 1
-
-    # The export: the same architecture, loadable, with its tokenizer, and not the start.
-    export = summary["export_dir"]
-    model = AutoModelForCausalLM.from_pretrained(export, local_files_only=True)
-    assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    assert AutoTokenizer.from_pretrained(export, local_files_only=True).chat_template
-    before = AutoModelForCausalLM.from_pretrained(start, local_files_only=True).state_dict()
-    moved = [n for n, t in model.state_dict().items() if not torch.equal(t, before[n])]
-    assert any("experts" in n for n in moved) and any("mlp.gate" in n for n in moved), moved

@@ -168,11 +168,16 @@ def test_onednn_linear_setting():
         make_engine(prefix_cache_tokens=-1)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "head_dim": 16}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_fast_decode_gives_the_stock_forwards_bits(model_type):
     """fast_decode.py runs the same modules without the stock forward's per-call Python: a
     seeded request gets exactly the same tokens and log-probs as through the stock forward."""
     config = tiny_llama_config(model_type=model_type)
+    if model_type.startswith("qwen3"):  # per-head q/k norms; experts
+        config.update({"head_dim": 16, **(MOE if model_type == "qwen3_moe" else {})})
     fast, stock = (make_engine(hf_config=config, max_running_requests=3) for _ in range(2))
     stock._fast = None
     assert fast.stats["fast_decode"] == "on" and fast._fast is not None
