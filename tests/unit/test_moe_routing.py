@@ -94,9 +94,10 @@ def test_routed_experts_pack_compactly_and_round_trip():
         RoutedExperts(b"\x00" * 3, 2, 1, 2)
 
 
-def _generate(perturb: float, prompts: list[list[int]], new: int = 6) -> list:
+def _generate(perturb: float, prompts: list[list[int]], new: int = 6,
+              config: dict = QWEN3_MOE) -> list:
     engine = EmbeddedEngine(EmbeddedEngineConfig(
-        hf_config=QWEN3_MOE, max_running_requests=4, onednn_linear=False,
+        hf_config=config, max_running_requests=4, onednn_linear=False,
         forward_in_thread=False, record_routing=True, routing_perturb=perturb))
 
     async def run():
@@ -110,12 +111,13 @@ def _generate(perturb: float, prompts: list[list[int]], new: int = 6) -> list:
     return asyncio.run(run())
 
 
-def test_the_engine_records_every_fed_token_and_the_trainer_replays_it():
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_engine_records_every_fed_token_and_the_trainer_replays_it(family):
     """A perturbed engine router: with the recorded experts the trainer scores exactly what
     the engine sampled from; with its own routing it does not. Four prompts, two of them the
     same (a group's shared prefill and the prompt cache hand both the same routing)."""
     prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [1, 2, 3, 4, 5], [9, 10, 11, 12]]
-    outs = _generate(perturb=0.5, prompts=prompts)
+    outs = _generate(perturb=0.5, prompts=prompts, config=FAMILIES[family])
     items = []
     for prompt, out in zip(prompts, outs):
         out.check("test")
@@ -124,7 +126,7 @@ def test_the_engine_records_every_fed_token_and_the_trainer_replays_it():
         assert routed.positions == len(prompt) + len(out.output_ids) - 1
         items.append(TrainItem(prompt, list(out.output_ids), list(out.output_logprobs), [],
                                routed=routed))
-    model = _model(QWEN3_MOE)  # the trainer's copy: the same weights, no perturbation
+    model = _model(FAMILIES[family])  # the trainer's copy: the same weights, no perturbation
     Routing(model)
     replayed = token_logprobs(model, pack(items, "cpu", routing_layers=(2, 2)), 1.0)[0]
     own = token_logprobs(model, pack(items, "cpu"), 1.0)[0]
