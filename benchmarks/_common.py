@@ -50,7 +50,9 @@ def init_ray(num_cpus: int) -> None:
 class TimedRun:
     """A whole training run (fleet start, controller loop, shutdown) with stamped metrics."""
 
-    async def run(self, cfg: RunConfig, plan) -> dict:
+    async def run(self, cfg: RunConfig, plan, engine_calls: tuple = ()) -> dict:
+        """`engine_calls`: (method, args) to call on every engine once the fleet is up (a
+        benchmark's debug setting, e.g. routing_replay.py's routing noise)."""
         from actors.fleet import RayFleet
         from rl_async.loop.controller import Controller
 
@@ -59,6 +61,9 @@ class TimedRun:
         try:
             started = time.monotonic()
             await fleet.start()
+            for method, args in engine_calls:
+                for engine in fleet.engines:
+                    await fleet.bounded(getattr(engine, method).remote(*args), method)
             ready = time.monotonic()
             controller = Controller(cfg, plan, fleet,
                                     lambda m, step: rows.append((time.monotonic(), step, m)))

@@ -24,7 +24,7 @@ import argparse
 import json
 import tempfile
 
-from _common import curve_without_evals, init_ray, load_checked  # noqa: I001
+from _common import TimedRun, curve_without_evals, init_ray, load_checked  # noqa: I001
 from _smoke import parse_with_smoke  # noqa: E402
 
 import ray
@@ -35,43 +35,14 @@ ROUTING = ("agreement", "logprob_mismatch_replay", "logprob_mismatch_own",
            "replay_bytes_per_sample")
 
 
-@ray.remote(num_cpus=0)
-class NoisyRun:
-    """A whole run whose engines get routing noise once the fleet is up."""
-
-    async def run(self, cfg, plan, noise: float) -> dict:
-        import time
-
-        from actors.fleet import RayFleet
-        from rl_async.loop.controller import Controller
-
-        rows: list = []
-        fleet = RayFleet(cfg, plan)
-        try:
-            await fleet.start()
-            if noise:
-                await fleet.bounded(ray_all([e.debug_routing_noise.remote(noise)
-                                             for e in fleet.engines]), "routing noise")
-            controller = Controller(cfg, plan, fleet,
-                                    lambda m, step: rows.append((time.monotonic(), step, m)))
-            summary = await controller.run()
-            ended = time.monotonic()
-        finally:
-            await fleet.shutdown()
-        return {"summary": summary, "rows": rows, "end": ended}
-
-
-async def ray_all(refs):
-    return [await r for r in refs]
-
-
 def run_mode(mode: str, seed: int, args) -> dict:
     cfg, report = load_checked(CONFIG, [
         f"run.name=r3-{mode}-s{seed}", f"run.seed={seed}", f"model.init_seed={seed}",
         f"run.max_steps={args.steps}", f"train.routing_replay={json.dumps(mode)}",
         f"run.output_dir={args.out}", "run.audit_fraction=0", "wandb.mode=disabled",
         *args.set])
-    result = ray.get(NoisyRun.remote().run.remote(cfg, report.plan, args.noise))
+    calls = [("debug_routing_noise", (args.noise,))] if args.noise else []
+    result = ray.get(TimedRun.remote().run.remote(cfg, report.plan, calls))
     s = result["summary"]
     curve, _ = curve_without_evals(result)
     c, r = s["corrections"], s["routing"]

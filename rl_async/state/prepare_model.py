@@ -68,10 +68,18 @@ def prepare_random(name: str, out_dir: str | os.PathLike | None = None,
         return out
     tokenizer = AutoTokenizer.from_pretrained(prepare_tokenizer(tokenizer_name))
     model = build_causal_lm(config, None, seed, "float32", "cpu")
+    return _write(out, marker, model, tokenizer)
+
+
+def _write(out: Path, marker: str, model, tokenizer, generation=None) -> Path:
+    """Save into a temporary sibling, marker last, then swap it in: an interrupted write
+    leaves no directory that passes for complete."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    if generation is not None:
+        generation.save_pretrained(tmp)
     (tmp / DONE).write_text(marker)
     if out.exists():
         shutil.rmtree(out)
@@ -127,16 +135,6 @@ def prepare_model(name: str, out_dir: str | os.PathLike | None = None,
     # reads as "purely quantised" and HF Trainer (TRL's GRPOTrainer) refuses to train it.
     if hasattr(fresh.config, "quantization_config"):
         del fresh.config.quantization_config
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    fresh.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
     gen = GenerationConfig.from_model_config(loaded.config)
     gen.eos_token_id = tokenizer.eos_token_id
-    gen.save_pretrained(tmp)
-    (tmp / DONE).write_text(marker)
-    if out.exists():
-        shutil.rmtree(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)
-    return out
+    return _write(out, marker, fresh, tokenizer, gen)
