@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from launch.replay import replay
 from launch.run import run_training
 from rl_async.plan.checks import validate
 from rl_async.plan.load import load_config
@@ -77,3 +78,6 @@ def test_a_tiny_qwen3_trains_with_routing_replay_and_exports(ray_cluster, tmp_pa
     assert all(len(layers) == 2 and all(len(k) == 2 and all(0 <= e < 8 for e in k)
                                         for k in layers) for layers in routed)
     assert len(sample["prompt_routed_experts"]) == len(sample["prompt_ids"]) - 1
+    # ... and `rl-async replay` trains them again, experts replayed, to the same weights.
+    result = replay(run_dir, str(tmp_path / "replayed"))
+    assert result["steps"] == 3 and result["identical"], result
