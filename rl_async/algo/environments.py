@@ -30,13 +30,12 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from rl_async.algo.tasks import ROLES, DatasetError, Prompt
+from rl_async.algo.tasks import ROLES, DatasetError, Prompt, jsonl_rows
 
 
 class EnvironmentFailure(RuntimeError):
@@ -172,17 +171,8 @@ def env_rows(path: str | Path) -> list[Prompt]:
     """The rows of `task.path` for an environment: each JSON object is handed to `reset` as
     is (a deep copy per trajectory). `id` names the row; otherwise its file and line do."""
     p = Path(path)
-    if not p.is_file():
-        raise DatasetError(f"task.path = {str(p)!r}: file not found")
     prompts = []
-    for lineno, line in enumerate(p.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{p}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
+    for where, row in jsonl_rows(p):
         if not isinstance(row, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(row).__name__}")
         prompts.append(Prompt(prompt_id=str(row.get("id", where)), prompt_ids=[],

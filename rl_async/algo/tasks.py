@@ -183,22 +183,28 @@ def response_budget(metadata: dict[str, Any], limit: int, where: str = "") -> in
     return min(cap, limit)
 
 
-def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[Prompt]:
-    """Every row of a JSONL prompt file; token ids are checked against `vocab_size` here, at
-    load time, so a bad row stops the run at start with its file, line and field."""
+def jsonl_rows(path: str | Path):
+    """(where, row) for every non-blank line of `task.path`, `where` = "file:line"; a missing
+    file or a line that is not JSON stops the run naming it."""
     p = Path(path)
     if not p.is_file():
         raise DatasetError(f"task.path = {str(p)!r}: file not found")
-    prompts = []
     for lineno, line in enumerate(p.read_text().splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{p}:{lineno}"
         try:
-            row = json.loads(line)
+            yield where, json.loads(line)
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{where}: not valid JSON ({exc.msg})") from None
-        prompts.append(_row_to_prompt(row, where, tokenizer, vocab_size))
+
+
+def load_jsonl(path: str | Path, tokenizer=None, vocab_size: int | None = None) -> list[Prompt]:
+    """Every row of a JSONL prompt file; token ids are checked against `vocab_size` here, at
+    load time, so a bad row stops the run at start with its file, line and field."""
+    p = Path(path)
+    prompts = [_row_to_prompt(row, where, tokenizer, vocab_size)
+               for where, row in jsonl_rows(p)]
     if not prompts:
         raise DatasetError(f"task.path = {str(p)!r}: no prompts in the file")
     return prompts
