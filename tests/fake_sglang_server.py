@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import uuid
@@ -113,7 +114,8 @@ class FakeSGLang:
     def __init__(self, args: argparse.Namespace):
         self.engine = EmbeddedEngine(EmbeddedEngineConfig(
             path=args.model_path, dtype=args.dtype or "float32",
-            max_running_requests=int(args.max_running_requests or 8)))
+            max_running_requests=int(args.max_running_requests or 8),
+            record_routing=bool(args.enable_return_routed_experts)))
         self.engine._version = int(args.weight_version or 0)
         self.model_path = args.model_path
         self.eos_ids = model_stop_ids(args.model_path, _tokenizer(args.model_path))
@@ -149,8 +151,12 @@ class FakeSGLang:
         else:
             reason = finish_reason(out.output_ids, n, sp.get("ignore_eos", False),
                                    list(sp.get("stop_token_ids") or []), self.eos_ids)
-        return web.json_response({"text": "", "output_ids": out.output_ids,
-                                  "meta_info": _meta(body, out, reason, self.engine._version)})
+        meta = _meta(body, out, reason, self.engine._version)
+        if body.get("return_routed_experts") and out.routed_experts is not None \
+                and reason["type"] != "abort":  # SGLang collects routes at a normal finish
+            meta["routed_experts"] = _routed_experts(out.routed_experts,
+                                                     self.engine.model.config.to_dict())
+        return web.json_response({"text": "", "output_ids": out.output_ids, "meta_info": meta})
 
     async def health(self, request: web.Request) -> web.Response:
         if request.path == "/health" and not env_bool(
@@ -274,6 +280,19 @@ def _meta(body: dict, out, reason: dict, version: int) -> dict:
                                       zip(out.output_logprobs, out.output_ids)],
             "weight_version": str(version), "weight_versions": spans,
             "num_retractions": out.refreshes}
+
+
+def _routed_experts(routed, config: dict) -> str:
+    """As SGLang's detokenizer writes them (`_b64_encode_per_request`): base64 of a C-order
+    int32 [positions, num_hidden_layers, top_k] array, dense layers left 0."""
+    from rl_async.plan.moe import moe_layer_ids
+    from rl_async.state.moe_routing import unpack_routed
+
+    ids = unpack_routed(routed)
+    full = torch.zeros(ids.shape[0], int(config["num_hidden_layers"]), ids.shape[2],
+                       dtype=torch.int32)
+    full[:, list(moe_layer_ids(config))] = ids.to(torch.int32)
+    return base64.b64encode(full.numpy().tobytes()).decode()
 
 
 def _tokenizer(model_path: str):

@@ -88,6 +88,32 @@ def test_mixed_policy_over_sglang_refreshes_requests_and_never_flushes_a_retract
     ray.kill(controller)
 
 
+def test_routing_replay_over_sglang_replays_the_servers_experts(ray_cluster, tmp_path):
+    """The MoE demo's tiny Qwen3-MoE served by the double: the engine launches it with
+    --enable-return-routed-experts, asks every request for its routes, and the trainer
+    replays them (on-policy tokens score as the server sampled them)."""
+    import tomllib
+
+    from rl_async.state.models import build_causal_lm
+
+    text = open("cluster_configs/qwen3_moe.toml").read()
+    build_causal_lm(tomllib.loads(text)["model"]["hf_config"], seed=0).save_pretrained(tmp_path)
+    lines = [f'path = "{tmp_path}"' if line.startswith("hf_config =") else line
+             for line in text.splitlines() if not line.startswith("init_seed")]
+    (tmp_path / "run.toml").write_text("\n".join(lines) + "\n")
+    cfg, report = small(str(tmp_path / "run.toml"), *SGLANG, "run.max_steps=4",
+                        name="t-sgl-r3")
+    assert report.ok, report.errors
+    controller, ref = start(cfg, report)
+    summary = ray.get(ref, timeout=300)
+    assert summary["steps"] == 4
+    assert_ledger_closed(summary)
+    routing = summary["routing"]
+    assert routing["replay"] and routing["unreplayed_tokens"] == 0, routing
+    assert routing["replayed_tokens"] > 0 and routing["logprob_mismatch_replay"] < 1e-4, routing
+    ray.kill(controller)
+
+
 def test_each_engine_listens_on_its_own_channel_and_superseded_channels_are_destroyed(
         ray_cluster):
     """A replacement gets a channel of its own; the dead engine's channel is destroyed on
