@@ -75,7 +75,8 @@ class TrainerRouting:
         these very weights), and measures the mismatch (`observe`)."""
         self.routing.measure_rows = None
         if self._measuring and batch.routing_BLMK is not None:
-            on_policy_B = ((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
+            on_policy_B = (((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
+                           & batch.mask_BT.any(dim=1))
             length = batch.routing_BLMK.shape[1]
             self.routing.measure_rows = on_policy_B[:, None].expand(-1, length).reshape(-1)
         try:
@@ -86,7 +87,8 @@ class TrainerRouting:
         return out
 
     def start_collection(self) -> None:
-        """Before the collection's anchor pass: measure under its pre-update weights."""
+        """Before the collection's first optimizer step: measure under its pre-update
+        weights."""
         self._measuring, self._measured = True, False
         self._mismatch, self._replayed, self._unreplayed = {}, 0.0, 0.0
         self._bytes = self._samples = 0
