@@ -1,4 +1,5 @@
-"""megatron-core GPTModel for a Hugging Face Llama / Qwen2 config: build, load, score, export.
+"""megatron-core GPTModel for a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE config: build,
+load, score, export (experts and router: rl_async/train/megatron_moe.py).
 
 Written against megatron-core 0.16.1 (`pip install --no-deps megatron-core==0.16.1`); the
 APIs used are `parallel_state.initialize_model_parallel`,
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from rl_async.train import logits as logits_lib
 from rl_async.train import megatron_convert as conv
+from rl_async.train import megatron_moe as moe
 
 IMPLS = ("local", "transformer_engine")
 RECOMPUTE = ("none", "selective", "full")
@@ -63,6 +65,9 @@ class MegatronParallelConfig:
     # None: fused on GPU (its kernel is torch.compile'd), unfused on CPU. The memory plan
     # counts the same rule (rl_async/plan/memory.py swiglu_saved).
     activation_fusion: bool | None = None
+    # MoE models only (megatron_moe.moe_transformer_kwargs says why "none" is the default).
+    moe_load_balancing: str = "none"
+    routing_replay: bool = False        # megatron's RouterReplay forces recorded experts
 
     def __post_init__(self) -> None:
         for key in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_divisible_by"):
@@ -72,6 +77,9 @@ class MegatronParallelConfig:
             raise ValueError(f"megatron.transformer_impl={self.transformer_impl!r}: use one of {IMPLS}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute={self.recompute!r}: use one of {RECOMPUTE}")
+        if self.moe_load_balancing not in moe.LOAD_BALANCING:
+            raise ValueError(f"megatron.moe_load_balancing={self.moe_load_balancing!r}: use one "
+                             f"of {moe.LOAD_BALANCING}")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"megatron.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")
 
@@ -117,7 +125,7 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
-    """megatron TransformerConfig equivalent to a Hugging Face Llama / Qwen2 config."""
+    """megatron TransformerConfig equivalent to a Hugging Face config (conv.SUPPORTED)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = conv.ModelShape.from_hf_config(hf_config)
@@ -130,14 +138,21 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     elif cfg.recompute == "full":  # every layer from its input, one layer at a time
         recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                      "recompute_num_layers": 1}
+    # Dense model: the MoE dispatcher is unused, but the default ("allgather") is rejected
+    # together with variable_seq_lengths by TransformerConfig's checks.
+    experts = {"moe_token_dispatcher_type": "alltoall"}
+    experts.update(moe.moe_transformer_kwargs(hf_config, shape, cfg.moe_load_balancing,
+                                              cfg.routing_replay))
     return TransformerConfig(
         **recompute,
+        **experts,
         transformer_impl=cfg.transformer_impl,  # forward_logits reads it (the mask)
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads,
         kv_channels=shape.head_dim,
+        qk_layernorm=shape.qk_norm,  # Qwen3: RMSNorm per head (the same `normalization`)
         ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf_config.rms_norm_eps),
@@ -153,9 +168,6 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
         params_dtype=cfg.dtype,
         bf16=cfg.dtype == torch.bfloat16,
         variable_seq_lengths=True,  # every collection is padded to its own length
-        # Dense model: the MoE dispatcher is unused, but the default ("allgather") is
-        # rejected together with variable_seq_lengths by TransformerConfig's checks.
-        moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
         # Fused CUDA kernels only where they exist; the SwiGLU one saves 2f/t per token.
         bias_activation_fusion=(on_gpu if cfg.activation_fusion is None
@@ -175,10 +187,15 @@ def build_gpt_model(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     tcfg = transformer_config(hf_config, cfg)
+    shape = conv.ModelShape.from_hf_config(hf_config)
+    spec_args = {"num_experts": shape.num_experts or None, "moe_grouped_gemm": False,
+                 "qk_layernorm": shape.qk_norm}
     if cfg.transformer_impl == "transformer_engine":
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_args)
     else:
-        layer_spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **spec_args)
+    if shape.num_experts:
+        moe.patch_router_gemm_without_te()
     vocab = conv.padded_vocab_size(hf_config.vocab_size, cfg.tensor_parallel_size, cfg.vocab_divisible_by)
     model = GPTModel(
         config=tcfg,
