@@ -116,7 +116,9 @@ def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
                                if load_balancing == "aux_loss" else 0.0),
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,  # SequentialMLP: the per-expert names above
-        "moe_enable_routing_replay": routing_replay,
+        # Replay goes through the router's `router_replay` slot (megatron_replay.py), which
+        # Transformer Engine's fused top-k kernel would bypass.
+        **({"moe_router_fusion": False} if routing_replay else {}),
     }
 
 
