@@ -244,11 +244,7 @@ class MegatronTrainer:
             return lp.sum() * 0, {"anchor": lp.detach().float().cpu()}
 
         results = self._run_schedule(batches, loss_func, forward_only=True)
-        # MoE models with routing replay (`train.routing_replay`): every forward step forces its
-micro-batch's recorded experts (rl_async/train/megatron_replay.py); the torch trainer's
-routing metrics (agreement, mismatch) are not measured here yet.
-
-Only the last pipeline stage computes log-probs, and only it needs the anchors.
+        # Only the last pipeline stage computes log-probs, and only it needs the anchors.
         first = 0
         for batch, res in zip(batches, results):
             for row, (lo, hi) in enumerate(batch.spans):
