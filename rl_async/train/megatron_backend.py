@@ -356,7 +356,11 @@ class MegatronTrainer:
 
     def layout(self) -> dict[str, int]:
         p = self.cfg.parallel
-        return {"world": dist.get_world_size(), "tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size}
+        out = {"world": dist.get_world_size(), "tp": p.tensor_parallel_size,
+               "pp": p.pipeline_parallel_size}
+        if p.expert_parallel_size > 1:  # checkpoints from before EP have no "ep" and are EP 1
+            out["ep"] = p.expert_parallel_size
+        return out
 
 
 # ---------------------------------------------------------------------- from a run config
@@ -371,6 +375,7 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int,
     t = cfg.train
     parallel = mm.MegatronParallelConfig(
         tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
+        expert_parallel_size=t.expert_parallel,
         params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
         seed=cfg.model.init_seed, recompute=t.recompute,
         transformer_impl=mm.resolve_transformer_impl(t.transformer_impl),

@@ -109,7 +109,7 @@ def _vocab_rows(ckpt: HFCheckpoint, name: str, shape: conv.ModelShape, vocab_row
 
 
 def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelShape,
-                  tp_size: int, tp_rank: int) -> torch.Tensor:
+                  tp_size: int, tp_rank: int, first_expert: int = 0) -> torch.Tensor:
     """One megatron tensor (`rest` = its name within the layer) of global layer `layer`."""
     h = f"model.layers.{layer}."
     a = h + "self_attn."
@@ -122,7 +122,8 @@ def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelSh
         if rest == mc_name:
             return ckpt.rows(a + hf_name)
     if rest.startswith("mlp.router.") or rest.startswith("mlp.experts."):
-        return moe.expert_tensor(ckpt, rest, h, shape.moe_ffn_hidden_size // tp_size, tp_rank)
+        return moe.expert_tensor(ckpt, rest, h, shape.moe_ffn_hidden_size // tp_size, tp_rank,
+                                 first_expert)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         groups = shape.num_kv_heads // tp_size  # whole query groups per rank
@@ -149,9 +150,15 @@ def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelSh
 
 def local_tensors(ckpt: HFCheckpoint, names: Iterable[str], shape: conv.ModelShape,
                   tp_size: int, tp_rank: int, pp_size: int, pp_rank: int,
-                  vocab_rows: int) -> Iterator[tuple[str, torch.Tensor]]:
+                  vocab_rows: int, ep_size: int = 1, ep_rank: int = 0
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megatron local name, tensor) for each of `names` (this rank's parameter names, with
-    stage-local layer numbers), read from the checkpoint one at a time."""
+    stage-local layer numbers and, for MoE, local expert numbers: expert-parallel rank
+    `ep_rank` holds experts ep_rank * E / ep_size onwards), read one at a time."""
+    if shape.num_experts % ep_size:
+        raise ValueError(f"train.expert_parallel = {ep_size} must divide the model's "
+                         f"{shape.num_experts} experts")
+    first_expert = ep_rank * (shape.num_experts // ep_size)
     if shape.num_kv_heads % tp_size or shape.ffn_hidden_size % tp_size or (
             shape.moe_ffn_hidden_size % tp_size):
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_key_value_heads="
@@ -165,7 +172,7 @@ def local_tensors(ckpt: HFCheckpoint, names: Iterable[str], shape: conv.ModelSha
         if name.startswith("decoder.layers."):
             idx, rest = name[len("decoder.layers."):].split(".", 1)
             layer = pp_rank * per_stage + int(idx)
-            yield name, _layer_tensor(ckpt, rest, layer, shape, tp_size, tp_rank)
+            yield name, _layer_tensor(ckpt, rest, layer, shape, tp_size, tp_rank, first_expert)
         elif name == "embedding.word_embeddings.weight":
             yield name, _vocab_rows(ckpt, "model.embed_tokens.weight", shape, vocab_rows,
                                     tp_size, tp_rank)

@@ -9,7 +9,8 @@ APIs used are `parallel_state.initialize_model_parallel`,
 module imports (and its config validates) without it.
 
 Layout of one process: TP × PP × DP ranks from `torch.distributed` (already initialised by
-the caller); this rank holds one pipeline stage's layers, TP-sharded. Weights travel as full
+the caller); this rank holds one pipeline stage's layers, TP-sharded, and for an
+MoE model E / EP of each layer's experts (EP ranks are carved out of DP). Weights travel as full
 Hugging Face tensors in, and full Hugging Face tensors out (gathered over TP and PP).
 """
 
@@ -53,6 +54,9 @@ class MegatronParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE: each layer's experts split over this many ranks of the data-parallel group
+    # (megatron's expert_model_parallel_size; experts keep TP = tensor_parallel_size).
+    expert_parallel_size: int = 1
     # "local" runs anywhere megatron-core runs; "transformer_engine" needs TE on a GPU.
     transformer_impl: str = "local"
     params_dtype: str = "float32"       # "bfloat16" on GPU
@@ -70,7 +74,8 @@ class MegatronParallelConfig:
     routing_replay: bool = False        # megatron's RouterReplay forces recorded experts
 
     def __post_init__(self) -> None:
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_divisible_by"):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                    "vocab_divisible_by"):
             if getattr(self, key) < 1:
                 raise ValueError(f"megatron.{key}={getattr(self, key)} must be >= 1")
         if self.transformer_impl not in IMPLS:
@@ -94,7 +99,12 @@ class MegatronParallelConfig:
                 f"world size {world_size} is not a multiple of tensor_parallel_size × "
                 f"pipeline_parallel_size = {model_parallel}"
             )
-        return world_size // model_parallel
+        dp = world_size // model_parallel
+        if dp % self.expert_parallel_size:
+            raise ValueError(f"train.expert_parallel = {self.expert_parallel_size} must divide "
+                             f"the {dp} data-parallel ranks (experts are split over ranks "
+                             f"that hold the same layers)")
+        return dp
 
 
 def initialize_parallel(cfg: MegatronParallelConfig) -> None:
@@ -108,6 +118,7 @@ def initialize_parallel(cfg: MegatronParallelConfig) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+            expert_model_parallel_size=cfg.expert_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
@@ -164,6 +175,7 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
         attention_dropout=0.0,
         tensor_model_parallel_size=cfg.tensor_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        expert_model_parallel_size=cfg.expert_parallel_size,
         pipeline_dtype=cfg.dtype,
         params_dtype=cfg.dtype,
         bf16=cfg.dtype == torch.bfloat16,
@@ -218,13 +230,15 @@ def model_shape(hf_config: Any, cfg: MegatronParallelConfig) -> conv.ModelShape:
 
 
 def local_state_from_hf(hf_state: dict[str, Tensor], hf_config: Any, cfg: MegatronParallelConfig,
-                        tp_rank: int, pp_rank: int) -> dict[str, Tensor]:
-    """The megatron tensors that TP rank `tp_rank` of stage `pp_rank` holds."""
+                        tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, Tensor]:
+    """The megatron tensors that TP rank `tp_rank` of stage `pp_rank` (and expert-parallel
+    rank `ep_rank`: its share of each layer's experts) holds."""
     shape = model_shape(hf_config, cfg)
     rows = conv.padded_vocab_size(shape.vocab_size, cfg.tensor_parallel_size, cfg.vocab_divisible_by)
     full = conv.hf_to_megatron(hf_state, shape, vocab_rows=rows)
     stage = conv.split_pp(full, shape, cfg.pipeline_parallel_size)[pp_rank]
-    return conv.shard_tp(stage, shape, cfg.tensor_parallel_size)[tp_rank]
+    local = conv.shard_tp(stage, shape, cfg.tensor_parallel_size)[tp_rank]
+    return moe.select_experts(local, shape.num_experts, cfg.expert_parallel_size, ep_rank)
 
 
 def load_hf_weights(model: Any, hf_state: dict[str, Tensor], hf_config: Any, cfg: MegatronParallelConfig) -> None:
@@ -235,6 +249,7 @@ def load_hf_weights(model: Any, hf_state: dict[str, Tensor], hf_config: Any, cfg
         hf_state, hf_config, cfg,
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_rank(),
     )
     params = _tensor_state(model)
     missing = sorted(set(params) - set(local))
@@ -261,7 +276,8 @@ def load_hf_checkpoint(model: Any, ckpt: Any, hf_config: Any, cfg: MegatronParal
     tensors = megatron_load.local_tensors(
         ckpt, list(params), shape, cfg.tensor_parallel_size,
         parallel_state.get_tensor_model_parallel_rank(), cfg.pipeline_parallel_size,
-        parallel_state.get_pipeline_model_parallel_rank(), rows)
+        parallel_state.get_pipeline_model_parallel_rank(), rows,
+        cfg.expert_parallel_size, parallel_state.get_expert_model_parallel_rank())
     with torch.no_grad():
         for name, tensor in tensors:
             if params[name].shape != tensor.shape:

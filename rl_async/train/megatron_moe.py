@@ -88,6 +88,44 @@ def experts_to_hf(mc: Tensors, h: str, m: str, experts: int) -> Tensors:
     }
 
 
+def _expert_index(name: str) -> tuple[str, int, str] | None:
+    """(prefix, expert, rest) of a local-expert tensor name, None for any other."""
+    marker = "mlp.experts.local_experts."
+    if marker not in name:
+        return None
+    head, tail = name.split(marker, 1)
+    e, rest = tail.split(".", 1)
+    return head + marker, int(e), rest
+
+
+def select_experts(local: Tensors, experts: int, ep_size: int, ep_rank: int) -> Tensors:
+    """Expert-parallel rank `ep_rank`'s share of a (TP-sharded) state dict: experts
+    ep_rank * E / ep_size onwards, renumbered from 0 (megatron's local expert names)."""
+    if ep_size == 1:
+        return local
+    if experts % ep_size:
+        raise ValueError(f"train.expert_parallel = {ep_size} must divide the model's "
+                         f"{experts} experts")
+    per = experts // ep_size
+    out: Tensors = {}
+    for name, t in local.items():
+        parsed = _expert_index(name)
+        if parsed is None:
+            out[name] = t
+        elif ep_rank * per <= parsed[1] < (ep_rank + 1) * per:
+            out[f"{parsed[0]}{parsed[1] - ep_rank * per}.{parsed[2]}"] = t
+    return out
+
+
+def renumber_experts(unit: Tensors, offset: int) -> Tensors:
+    """Local expert j -> expert offset + j (the inverse of `select_experts` for one rank)."""
+    out: Tensors = {}
+    for name, t in unit.items():
+        parsed = _expert_index(name)
+        out[name if parsed is None else f"{parsed[0]}{parsed[1] + offset}.{parsed[2]}"] = t
+    return out
+
+
 def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
                            routing_replay: bool) -> dict[str, Any]:
     """TransformerConfig keys for the experts ({} for a dense model).
@@ -134,15 +172,17 @@ def patch_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
-def expert_tensor(ckpt: Any, rest: str, h: str, ffn: int, tp_rank: int) -> torch.Tensor:
+def expert_tensor(ckpt: Any, rest: str, h: str, ffn: int, tp_rank: int,
+                  first_expert: int = 0) -> torch.Tensor:
     """One router / expert tensor of a layer (`rest`: its megatron name within the layer,
     `h`: the HF layer prefix) for TP rank `tp_rank`, whose slice of each expert's
     intermediate width is `ffn` wide, read alone from a megatron_load.HFCheckpoint: the
-    per-expert tensors of a saved checkpoint, or the fused 3-D ones where those are stored."""
+    per-expert tensors of a saved checkpoint, or the fused 3-D ones where those are stored.
+    Local expert j is global expert `first_expert` + j (expert parallelism)."""
     if rest == ROUTER:
         return ckpt.rows(h + "mlp.gate.weight")
     e_str, kind = rest[len("mlp.experts.local_experts."):].split(".", 1)
-    e, f0, f1 = int(e_str), tp_rank * ffn, (tp_rank + 1) * ffn
+    e, f0, f1 = first_expert + int(e_str), tp_rank * ffn, (tp_rank + 1) * ffn
     x = f"{h}mlp.experts.{e}."
     fused = h + "mlp.experts.gate_up_proj"
     if kind == "linear_fc1.weight":

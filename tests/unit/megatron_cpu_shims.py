@@ -14,7 +14,8 @@ optimizer checks `param.type() == 'torch.cuda.FloatTensor'` when it builds its s
 answers with the CUDA name of its dtype, so it runs on CPU too (the same buckets, shards and
 checkpoint format as on a GPU). The MoE alltoall dispatcher copies its split sizes to the host
 on a side CUDA stream (token_dispatcher.py `_maybe_dtoh_and_synchronize`): on CPU there is
-nothing to copy, so a stream that does nothing stands in. Never product code.
+nothing to copy, so a stream that does nothing stands in, and the split sizes become the
+numpy arrays all_to_all_single takes (`maybe_move_tensor_to_cpu` converts only CUDA tensors). Never product code.
 """
 
 from __future__ import annotations
@@ -61,6 +62,13 @@ class CpuStream:
 
     def synchronize(self) -> None:
         pass
+
+
+def _split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for CPU tensors: numpy where asked, as on a GPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _free_port() -> int:
@@ -116,6 +124,7 @@ def apply_cpu_shims(setattr_=setattr) -> None:
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     tracker = CpuRngTracker()
@@ -123,6 +132,7 @@ def apply_cpu_shims(setattr_=setattr) -> None:
     setattr_(torch.cuda, "synchronize", lambda *a, **k: None)  # pipeline p2p shape exchange
     main_stream = CpuStream()
     setattr_(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", CpuStream())
+    setattr_(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host)
     setattr_(torch.cuda, "current_stream", lambda *a, **k: main_stream)
     setattr_(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     setattr_(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)

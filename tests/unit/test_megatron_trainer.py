@@ -54,7 +54,8 @@ def torch_trainer(cfg, routing_replay: bool = False) -> TorchTrainer:
     return TorchTrainer(TorchTrainerConfig(
         hf_config=cfg.model.hf_config, seed=cfg.model.init_seed, lr=t.lr,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_schedule=t.lr_schedule,
-        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio, global_batch_size=4,
+        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
+        global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
         tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
         corrections=corrections_from(t), use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
