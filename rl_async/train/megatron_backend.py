@@ -375,7 +375,7 @@ def trainer_config_from_run(cfg: Any, global_batch_size: int,
     t = cfg.train
     parallel = mm.MegatronParallelConfig(
         tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
-        expert_parallel_size=t.expert_parallel,
+        expert_parallel_size=t.expert_parallel, moe_load_balancing=t.moe_load_balancing,
         params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
         seed=cfg.model.init_seed, recompute=t.recompute,
         transformer_impl=mm.resolve_transformer_impl(t.transformer_impl),

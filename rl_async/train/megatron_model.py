@@ -83,7 +83,7 @@ class MegatronParallelConfig:
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute={self.recompute!r}: use one of {RECOMPUTE}")
         if self.moe_load_balancing not in moe.LOAD_BALANCING:
-            raise ValueError(f"megatron.moe_load_balancing={self.moe_load_balancing!r}: use one "
+            raise ValueError(f"train.moe_load_balancing={self.moe_load_balancing!r}: use one "
                              f"of {moe.LOAD_BALANCING}")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"megatron.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")

@@ -130,7 +130,7 @@ def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
                            routing_replay: bool) -> dict[str, Any]:
     """TransformerConfig keys for the experts ({} for a dense model).
 
-    `load_balancing` (megatron.moe_load_balancing) is "none" by default: the auxiliary
+    `load_balancing` (train.moe_load_balancing) is "none" by default: the auxiliary
     loss adds a gradient that is not the policy's objective (the torch trainer, like the
     HF model with output_router_logits=False, adds none), and under routing replay the
     routing it would balance is the engine's, not the router's own. "aux_loss" uses the
@@ -139,7 +139,7 @@ def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
     if not shape.num_experts:
         return {}
     if load_balancing not in LOAD_BALANCING:
-        raise ValueError(f"megatron.moe_load_balancing={load_balancing!r}: use one of {LOAD_BALANCING}")
+        raise ValueError(f"train.moe_load_balancing={load_balancing!r}: use one of {LOAD_BALANCING}")
     normalise = bool(getattr(hf_config, "norm_topk_prob", False))
     return {
         "num_moe_experts": shape.num_experts,

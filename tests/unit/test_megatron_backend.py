@@ -115,3 +115,24 @@ def test_config_errors_name_the_key():
         mm.MegatronParallelConfig(transformer_impl="te")
     with pytest.raises(ValueError, match="tensor_parallel_size × pipeline_parallel_size = 4"):
         mm.MegatronParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2).data_parallel_size(6)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_router_flags_and_the_load_balancing_choice(megatron_cpu, norm_topk_prob):
+    hf_model = _hf("qwen3_moe", False, norm_topk_prob=norm_topk_prob)
+    hf_model.config.router_aux_loss_coef = 0.01
+    none = mm.transformer_config(hf_model.config, mm.MegatronParallelConfig())
+    # renormalised top-k = softmax over the k chosen logits (pre-softmax off)
+    assert none.moe_router_pre_softmax is not norm_topk_prob
+    assert (none.moe_router_load_balancing_type, none.moe_aux_loss_coeff) == ("none", 0.0)
+    cfg = mm.MegatronParallelConfig(vocab_divisible_by=128, moe_load_balancing="aux_loss")
+    assert mm.transformer_config(hf_model.config, cfg).moe_aux_loss_coeff == 0.01
+    mm.initialize_parallel(cfg)
+    model = mm.build_gpt_model(hf_model.config, cfg)
+    mm.load_hf_weights(model, _state(hf_model), hf_model.config, cfg)
+    ids = torch.randint(0, TINY["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(4))
+    model.train()
+    mm.forward_logits(model, ids).float().logsumexp(-1).mean().backward()
+    assert dict(model.named_parameters())["decoder.layers.0.mlp.router.weight"].grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="train.moe_load_balancing='sinkhorn'"):
+        mm.MegatronParallelConfig(moe_load_balancing="sinkhorn")
