@@ -15,8 +15,9 @@ groups -> advantages -> items -> micro-batches
 ```
 
 MoE models with routing replay (`train.routing_replay`): every forward step forces its
-micro-batch's recorded experts (rl_async/train/megatron_replay.py); the torch trainer's
-routing metrics (agreement, mismatch) are not measured here yet.
+micro-batch's recorded experts (rl_async/train/megatron_replay.py); of the torch trainer's
+routing metrics, the counts (replayed / unreplayed tokens, bytes) are reported, agreement
+and the log-prob mismatch not yet.
 
 Only the last pipeline stage computes log-probs, so only its ranks have real metrics (the
 others return zeros): `reports_metrics` names the one rank (last stage, DP rank 0, TP rank
@@ -190,6 +191,11 @@ class MegatronTrainer:
         out["train/optimizer_steps"] = float(len(per_step))
         out["train/step"] = float(self.step)
         out["train/lr"] = per_step[-1]["train/lr"]  # as the torch backend: the latest lr
+        if self.routing is not None:
+            from megatron.core import parallel_state
+
+            out.update(megatron_replay.replay_counts(
+                items, parallel_state.get_data_parallel_group()))
         self.policy_version = policy_version
         return out
 

@@ -125,3 +125,22 @@ def for_trainer(module: Any, hf_config: Any, cfg: Any) -> MegatronRouting | None
     per_stage = shape.num_layers // cfg.pipeline_parallel_size
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
     return MegatronRouting(module, first, shape.num_layers, shape.moe_top_k)
+
+
+def replay_counts(items: Any, dp_group: Any) -> dict[str, float]:
+    """The torch trainer's counting `train/routing_*` metrics (rl_async/train/routing.py),
+    summed over the data-parallel ranks: trained tokens scored with recorded experts and
+    without, and the recordings' samples and bytes. (Agreement and the log-prob mismatch
+    need extra forwards the torch trainer runs; not measured here yet.)"""
+    import torch.distributed as dist
+
+    replayed = [it for it in items if it.routed is not None]
+    sums = torch.tensor([
+        float(sum(it.trained_tokens for it in replayed)),
+        float(sum(it.trained_tokens for it in items if it.routed is None)),
+        float(len(replayed)), float(sum(it.routed.nbytes for it in replayed))],
+        dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(sums, group=dp_group)
+    names = ("replayed_tokens", "unreplayed_tokens", "replayed_samples", "replay_bytes")
+    return {f"train/routing_{n}": v for n, v in zip(names, sums.tolist())}

@@ -105,14 +105,16 @@ def test_two_ranks_split_the_experts_and_match_hf(tmp_path):
     assert exported.keys() == state.keys()
     assert all(torch.equal(exported[k], state[k]) for k in state)
 
-    from test_megatron_trainer import (MOE, assert_same_metrics, groups, run_config,
-                                       torch_trainer, with_routes)
+    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics, groups,
+                                       run_config, torch_trainer, with_routes)
 
     ref = torch_trainer(run_config(hf=MOE, global_batch_size=8), routing_replay=True)
     trained = results[0]["trained"]
     assert trained["reports"] and not results[1]["trained"]["reports"]
     for (version, seed), got in zip(((1, 11), (2, 12)), trained["metrics"]):
-        assert_same_metrics(got, ref.train_collection(with_routes(groups(seed, version), seed),
-                                                      version))
+        want = ref.train_collection(with_routes(groups(seed, version), seed), version)
+        assert_same_metrics(got, want)
+        for key in ROUTING_COUNTS:  # summed over the two data-parallel ranks
+            assert got[key] == want[key], key
     for name, p in ref.named_tensors_for_publication():
         torch.testing.assert_close(trained["weights"][name], p, rtol=1e-4, atol=1e-4)

@@ -123,6 +123,10 @@ def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
         torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
 
 
+ROUTING_COUNTS = ("train/routing_replayed_tokens", "train/routing_unreplayed_tokens",
+                  "train/routing_replayed_samples", "train/routing_replay_bytes")
+
+
 def with_routes(gs: list[Group], seed: int) -> list[Group]:
     """The engine's experts on every sample but the last of each group (it keeps the
     trainer's own routing): [prompt + response - 1 positions, 2 MoE layers, top-2]."""
@@ -160,8 +164,10 @@ def test_qwen3_moe_with_routing_replay_agrees_with_the_torch_trainer(megatron_cp
     meg = MegatronTrainer(*hf_weights_from_run(cfg), mcfg)
     for version, seed in ((1, 11), (2, 12)):
         batch = with_routes(groups(seed, version), seed)
-        assert_same_metrics(meg.train_collection(batch, version),
-                            ref.train_collection(batch, version))
+        got, want = meg.train_collection(batch, version), ref.train_collection(batch, version)
+        assert_same_metrics(got, want)
+        for key in ROUTING_COUNTS:
+            assert got[key] == want[key] > 0, key
     exported = dict(meg.named_tensors_for_publication())
     assert "model.layers.1.mlp.experts.gate_up_proj" in exported
     for name, p in ref.named_tensors_for_publication():
