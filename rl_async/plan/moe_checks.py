@@ -73,6 +73,11 @@ def megatron_model_errors(cfg: RunConfig, config: dict[str, Any], source: str) -
                       f"MoE; the model ({source}) has decoder_sparse_step = "
                       f"{config.get('decoder_sparse_step')}, mlp_only_layers = {dense_layers}: "
                       f"set train.backend = 'torch'")
+    if moe_dims(config) and t.tensor_parallel > 1:
+        errors.append(f"train.tensor_parallel = {t.tensor_parallel} with an MoE model "
+                      f"({source}): the megatron backend runs MoE models at TP 1 for now "
+                      f"(megatron needs sequence parallelism there); split the experts with "
+                      f"train.expert_parallel instead, or set train.tensor_parallel = 1")
     replay = t.routing_replay == "r3" or (t.routing_replay == "auto" and moe_dims(config))
     if replay and t.recompute == "full" and t.pipeline_parallel > 1:
         errors.append("train.recompute = 'full' with train.pipeline_parallel > 1 cannot replay "

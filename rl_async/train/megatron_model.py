@@ -153,7 +153,7 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     # together with variable_seq_lengths by TransformerConfig's checks.
     experts = {"moe_token_dispatcher_type": "alltoall"}
     experts.update(moe.moe_transformer_kwargs(hf_config, shape, cfg.moe_load_balancing,
-                                              cfg.routing_replay))
+                                              cfg.routing_replay, cfg.tensor_parallel_size))
     return TransformerConfig(
         **recompute,
         **experts,

@@ -38,6 +38,12 @@ FC1 = "mlp.experts.local_experts.{e}.linear_fc1.weight"
 FC2 = "mlp.experts.local_experts.{e}.linear_fc2.weight"
 ROUTER = "mlp.router.weight"
 LOAD_BALANCING = ("none", "aux_loss")
+# megatron-core 0.16 refuses MoE with TP > 1 unless sequence parallelism is on
+# (TransformerConfig), its local norms refuse sequence parallelism (WrappedTorchNorm), and
+# the routing replay grid would need each TP rank's slice of the sequence: not done yet.
+TP_REFUSAL = ("train.tensor_parallel = {tp} with an MoE model: the megatron backend runs MoE "
+              "models at TP 1 for now (megatron needs sequence parallelism there); split the "
+              "experts with train.expert_parallel instead, or set train.tensor_parallel = 1")
 
 
 def shape_fields(config: Any) -> dict[str, int]:
@@ -127,7 +133,7 @@ def renumber_experts(unit: Tensors, offset: int) -> Tensors:
 
 
 def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
-                           routing_replay: bool) -> dict[str, Any]:
+                           routing_replay: bool, tensor_parallel: int = 1) -> dict[str, Any]:
     """TransformerConfig keys for the experts ({} for a dense model).
 
     `load_balancing` (train.moe_load_balancing) is "none" by default: the auxiliary
@@ -138,6 +144,8 @@ def moe_transformer_kwargs(hf_config: Any, shape: Any, load_balancing: str,
     """
     if not shape.num_experts:
         return {}
+    if tensor_parallel > 1:
+        raise ValueError(TP_REFUSAL.format(tp=tensor_parallel))
     if load_balancing not in LOAD_BALANCING:
         raise ValueError(f"train.moe_load_balancing={load_balancing!r}: use one of {LOAD_BALANCING}")
     normalise = bool(getattr(hf_config, "norm_topk_prob", False))

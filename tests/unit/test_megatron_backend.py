@@ -136,3 +136,5 @@ def test_qwen3_moe_router_flags_and_the_load_balancing_choice(megatron_cpu, norm
     assert dict(model.named_parameters())["decoder.layers.0.mlp.router.weight"].grad.abs().sum() > 0
     with pytest.raises(ValueError, match="train.moe_load_balancing='sinkhorn'"):
         mm.MegatronParallelConfig(moe_load_balancing="sinkhorn")
+    with pytest.raises(ValueError, match="train.tensor_parallel = 2 with an MoE model"):
+        mm.transformer_config(hf_model.config, mm.MegatronParallelConfig(tensor_parallel_size=2))

@@ -170,6 +170,7 @@ def test_rl_async_plan_prints_the_moe_facts():
     ({"model_type": "mixtral"}, None, "model_type = 'mixtral': set train.backend = 'torch'"),
     ({"mlp_only_layers": [0]}, None, "mlp_only_layers = [0]"),
     ({}, ["train.recompute=full", "train.pipeline_parallel=2"], "train.recompute = 'full'"),
+    ({}, ["train.tensor_parallel=2"], "train.tensor_parallel = 2 with an MoE model"),
 ])
 def test_validate_refuses_what_the_megatron_backend_cannot_convert_or_replay(arch, override, needle):
     cfg = _with_arch(QWEN3_30B, **arch)
