@@ -3,7 +3,8 @@ Qwen3-MoE whose 4 experts are split 2 per rank. Each rank's forward (tokens trav
 other rank's experts through the alltoall dispatcher) equals the HF model's; the lazy
 checkpoint load gives each rank the same experts as the in-memory conversion; the export
 gathers every expert back under its HF name; and the trainer, each rank with one group,
-gives the torch trainer's metrics and weights on both groups. Marked `megatron`."""
+gives the torch trainer's metrics and weights on both groups. With two pipeline stages
+instead, each stage replays its own MoE layer of the grid. Marked `megatron`."""
 
 from __future__ import annotations
 
@@ -118,3 +119,50 @@ def test_two_ranks_split_the_experts_and_match_hf(tmp_path):
             assert got[key] == want[key], key
     for name, p in ref.named_tensors_for_publication():
         torch.testing.assert_close(trained["weights"][name], p, rtol=1e-4, atol=1e-4)
+
+
+def _pp_worker(rank: int, world: int, port: int, out: str) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch.distributed as dist
+
+    from megatron_cpu_shims import apply_cpu_shims
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from test_megatron_trainer import MOE, groups, run_config, with_routes
+
+    from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
+                                                 trainer_config_from_run)
+
+    cfg = run_config(hf=MOE, pipeline_parallel=2)
+    mcfg = trainer_config_from_run(cfg, 4, routing_replay=True)
+    mcfg.use_distributed_optimizer = False
+    trainer = MegatronTrainer(*hf_weights_from_run(cfg), mcfg)
+    first = trainer.routing.slots[0].layer  # stage 1's router is MoE layer 1 of the grid
+    metrics = [trainer.train_collection(with_routes(groups(seed, version), seed), version)
+               for version, seed in ((1, 11), (2, 12))]
+    torch.save({"first": first, "metrics": metrics, "reports": trainer.reports_metrics,
+                "weights": dict(trainer.named_tensors_for_publication())},
+               Path(out) / f"pp{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_pipeline_stages_replay_their_own_layers(tmp_path):
+    """PP 2: each stage forces its own MoE layer's experts from the grid of all layers."""
+    pytest.importorskip("megatron.core")
+    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics, groups,
+                                       run_config, torch_trainer, with_routes)
+
+    mp.spawn(_pp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"pp{r}.pt") for r in range(2)]
+    assert [r["first"] for r in results] == [0, 1]
+    assert [r["reports"] for r in results] == [False, True]
+    ref = torch_trainer(run_config(hf=MOE), routing_replay=True)
+    for (version, seed), got in zip(((1, 11), (2, 12)), results[1]["metrics"]):
+        want = ref.train_collection(with_routes(groups(seed, version), seed), version)
+        assert_same_metrics(got, want)
+        assert all(got[k] == want[k] for k in ROUTING_COUNTS)
+    for name, p in ref.named_tensors_for_publication():
+        torch.testing.assert_close(results[0]["weights"][name], p, rtol=1e-4, atol=1e-4)
