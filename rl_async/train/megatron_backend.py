@@ -16,8 +16,8 @@ groups -> advantages -> items -> micro-batches
 
 MoE models with routing replay (`train.routing_replay`): every forward step forces its
 micro-batch's recorded experts (rl_async/train/megatron_replay.py); of the torch trainer's
-routing metrics, the counts (replayed / unreplayed tokens, bytes) are reported, agreement
-and the log-prob mismatch not yet.
+routing metrics, the counts (replayed / unreplayed tokens, bytes) and the agreement are
+reported, the log-prob mismatch (an extra forward) not yet.
 
 Only the last pipeline stage computes log-probs, so only its ranks have real metrics (the
 others return zeros): `reports_metrics` names the one rank (last stage, DP rank 0, TP rank
@@ -125,6 +125,7 @@ class MegatronTrainer:
             mm.load_hf_weights(module, hf_weights, hf_config, pcfg)
         # MoE, train.routing_replay: every scoring forward forces the engine's experts
         self.routing = megatron_replay.for_trainer(module, hf_config, pcfg)
+        self._measure_version: int | None = None
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer
         )
@@ -183,8 +184,12 @@ class MegatronTrainer:
             self.model.eval()
             self._score_anchors(items)
         self.model.train()
-        per_step = [self._optimizer_step(items[s:s + local_step], policy_version)
-                    for s in range(0, len(items), local_step)]
+        per_step = []
+        for s in range(0, len(items), local_step):
+            # routing agreement: the first step's forwards run the pre-update weights
+            self._measure_version = policy_version if not per_step else None
+            per_step.append(self._optimizer_step(items[s:s + local_step], policy_version))
+        self._measure_version = None
         out = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
         out["train/response_tokens"] = sum(m["train/response_tokens"] for m in per_step)
         out["train/nonfinite_updates"] = sum(m["train/nonfinite_updates"] for m in per_step)
@@ -196,6 +201,7 @@ class MegatronTrainer:
 
             out.update(megatron_replay.replay_counts(
                 items, parallel_state.get_data_parallel_group()))
+            out.update(megatron_replay.agreement(self.routing))
         self.policy_version = policy_version
         return out
 
@@ -219,7 +225,9 @@ class MegatronTrainer:
         def forward_step(data_iterator: Any, model: Any) -> tuple[Tensor, Any]:
             batch = next(data_iterator)
             if self.routing is not None:
-                self.routing.force(batch.routing_BLMK)
+                measure = (None if self._measure_version is None else
+                           megatron_replay.on_policy_rows(batch, self._measure_version))
+                self.routing.force(batch.routing_BLMK, measure)
             return mm.forward_logits(model, batch.input_ids_BL), partial(loss_func, batch)
 
         # Shapes vary per micro-batch (variable_seq_lengths: PP stages exchange them).

@@ -38,6 +38,10 @@ class ForcedTopK:
     def __init__(self, layer: int):
         self.layer = layer
         self.forced_NK: Tensor | None = None
+        # [N] bool: rows whose own top-k set is compared with the forced one (agreement),
+        # cleared once counted so a recomputed forward does not count twice
+        self.measure_N: Tensor | None = None
+        self.agree = self.compared = 0
 
     def get_replay_topk(self, scores: Tensor, topk: int, num_groups: int | None = None,
                         group_topk: int | None = None,
@@ -55,6 +59,12 @@ class ForcedTopK:
                              f"{tuple(own.shape)} (tokens, top-k)")
         forced = forced.to(own.device)
         use = (forced >= 0).all(dim=-1, keepdim=True)
+        if self.measure_N is not None:
+            rows = use[:, 0] & self.measure_N.to(use.device)
+            same = (forced.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
+            self.agree += int((same & rows).sum())
+            self.compared += int(rows.sum())
+            self.measure_N = None
         chosen = torch.where(use, forced, own)
         return scores.gather(1, chosen), chosen
 
@@ -80,7 +90,7 @@ class MegatronRouting:
         for router, slot in zip(self.routers, self.slots):
             router.router_replay = slot
 
-    def force(self, routing_BLMK: Tensor | None) -> None:
+    def force(self, routing_BLMK: Tensor | None, measure_B: Tensor | None = None) -> None:
         """Force `routing_BLMK`'s experts (None: the routers' own) from now on. A schedule's
         forward step sets its micro-batch's grid and leaves it set: activation recompute
         re-runs the routers in that micro-batch's backward, which (one pipeline stage)
@@ -89,9 +99,20 @@ class MegatronRouting:
             raise ValueError(f"routing replay: a grid of {tuple(routing_BLMK.shape[2:])} "
                              f"(MoE layers, top-k) per position; the model has "
                              f"({self.moe_layers}, {self.top_k})")
+        measure_N = None
+        if routing_BLMK is not None and measure_B is not None:  # rows, sequence-major too
+            measure_N = measure_B[None, :].expand(routing_BLMK.shape[1], -1).reshape(-1)
         for slot in self.slots:
             slot.forced_NK = (None if routing_BLMK is None else
                               routing_BLMK[:, :, slot.layer].transpose(0, 1).reshape(-1, self.top_k))
+            slot.measure_N = measure_N
+
+    def take_agreement(self) -> tuple[int, int]:
+        """(pairs whose own top-k set equals the forced one, pairs compared) since last."""
+        out = (sum(s.agree for s in self.slots), sum(s.compared for s in self.slots))
+        for slot in self.slots:
+            slot.agree = slot.compared = 0
+        return out
 
     @contextlib.contextmanager
     def replay(self, routing_BLMK: Tensor | None) -> Iterator[None]:
@@ -127,11 +148,29 @@ def for_trainer(module: Any, hf_config: Any, cfg: Any) -> MegatronRouting | None
     return MegatronRouting(module, first, shape.num_layers, shape.moe_top_k)
 
 
+def on_policy_rows(batch: Any, version: int) -> Tensor:
+    """[B] bool: samples every trained token of which was sampled by `version` (the
+    weights the trainer holds): where agreement is measured, as in the torch trainer."""
+    return ((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
+
+
+def agreement(routing: MegatronRouting) -> dict[str, float]:
+    """`train/routing_agreement` over every rank's MoE layers and samples (a collective on
+    the world group: every rank calls it); absent when nothing was compared."""
+    import torch.distributed as dist
+
+    counts = torch.tensor(routing.take_agreement(), dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    agree, compared = counts.tolist()
+    return {"train/routing_agreement": agree / compared} if compared else {}
+
+
 def replay_counts(items: Any, dp_group: Any) -> dict[str, float]:
     """The torch trainer's counting `train/routing_*` metrics (rl_async/train/routing.py),
     summed over the data-parallel ranks: trained tokens scored with recorded experts and
-    without, and the recordings' samples and bytes. (Agreement and the log-prob mismatch
-    need extra forwards the torch trainer runs; not measured here yet.)"""
+    without, and the recordings' samples and bytes. (The log-prob mismatch needs the extra
+    forward the torch trainer runs; not measured here yet.)"""
     import torch.distributed as dist
 
     replayed = [it for it in items if it.routed is not None]

@@ -6,6 +6,7 @@ Marked `megatron` (skipped without megatron-core)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -168,6 +169,14 @@ def test_qwen3_moe_with_routing_replay_agrees_with_the_torch_trainer(megatron_cp
         assert_same_metrics(got, want)
         for key in ROUTING_COUNTS:
             assert got[key] == want[key] > 0, key
+    # On-policy samples (every token of the trainer's version): both measure how often
+    # the trainer's own top-k equals the recorded one, in the first step of a collection.
+    batch = [dataclasses.replace(g, samples=[dataclasses.replace(
+        s, token_versions=[3] * len(s.response_ids)) for s in g.samples])
+        for g in with_routes(groups(13, 3), 13)]
+    got, want = meg.train_collection(batch, 3), ref.train_collection(batch, 3)
+    assert 0 < want["train/routing_agreement"] < 1
+    assert got["train/routing_agreement"] == pytest.approx(want["train/routing_agreement"])
     exported = dict(meg.named_tensors_for_publication())
     assert "model.layers.1.mlp.experts.gate_up_proj" in exported
     for name, p in ref.named_tensors_for_publication():
