@@ -27,13 +27,14 @@ def build_megatron_trainer(cfg: RunConfig, plan: CapacityPlan):
     """megatron-core trainer: each rank loads its TP/PP slices of the HF weights (a local
     safetensors checkpoint, read lazily; or a config-built random model) into a sharded
     GPTModel; torch.distributed must be initialised."""
+    from rl_async.plan.moe import replay_for
     from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
                                                  trainer_config_from_run)
 
     hf_config, weights = hf_weights_from_run(cfg)
     try:
-        return MegatronTrainer(hf_config, weights,
-                               trainer_config_from_run(cfg, plan.global_batch_size))
+        return MegatronTrainer(hf_config, weights, trainer_config_from_run(
+            cfg, plan.global_batch_size, replay_for(cfg, cfg.train.routing_replay)))
     finally:
         if hasattr(weights, "close"):
             weights.close()

@@ -238,6 +238,10 @@ class TrainSection(Section):
     # megatron, MoE models: ranks each layer's experts are split over (expert_model_parallel);
     # divides the experts and the data-parallel size (rl_async/plan/moe_checks.py).
     expert_parallel: PositiveInt = 1
+    # megatron, MoE models: "none" adds no load-balancing loss (it is not the policy's
+    # objective, and the torch trainer adds none); "aux_loss" adds megatron's with the
+    # model's router_aux_loss_coef (rl_async/train/megatron_moe.py).
+    moe_load_balancing: Literal["none", "aux_loss"] = "none"
     # megatron: "transformer_engine" (fused/flash attention, no s x s matrix; needs TE on a
     # GPU), "local" (megatron's unfused attention: builds the s x s scores in fp32), or
     # "auto" (TE when it is importable on a GPU, else local; the memory plan assumes TE on GPU).

@@ -252,6 +252,10 @@ KEYS: dict[str, Doc] = {
                                  "expert weights by it", "GPUs",
                                  "needs megatron and an MoE model; divides the experts and "
                                  "trainer_workers / (TP x PP)"),
+    "train.moe_load_balancing": Doc("megatron, MoE models: 'none' (no auxiliary loss: not the "
+                                    "policy objective; the torch trainer adds none) or "
+                                    "'aux_loss' (megatron's, scaled by the model's "
+                                    "router_aux_loss_coef)"),
     "train.transformer_impl": Doc("megatron attention: 'transformer_engine', 'local' "
                                   "(unfused, s x s scores) or 'auto'",
                                   rule="memory plan attention"),

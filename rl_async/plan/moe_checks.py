@@ -8,6 +8,10 @@ rank holds every expert.
 
 Routing replay (`train.routing_replay`, rl_async/plan/moe.py) stores every MoE layer's top-k
 expert ids per token of a sample; the plan sizes that beside the memory per GPU.
+
+The megatron backend converts HF weights for the families in `MEGATRON_MODEL_TYPES` only
+(rl_async/train/megatron_convert.py SUPPORTED; a test keeps the two equal): validate says so
+before a run starts rather than the trainer at its first rank.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ if TYPE_CHECKING:
     from rl_async.plan.memory import Dims
 
 MiB = 1024 ** 2
+MEGATRON_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 def _divisors(n: int) -> str:
@@ -51,6 +56,37 @@ def expert_layout_errors(cfg: RunConfig) -> list[str]:
     return []
 
 
+def megatron_model_errors(cfg: RunConfig, config: dict[str, Any], source: str) -> list[str]:
+    """What the megatron backend cannot build or replay for this model."""
+    t = cfg.train
+    if t.backend != "megatron":
+        return []
+    kind = config.get("model_type")
+    if kind not in MEGATRON_MODEL_TYPES:
+        return [f"train.backend = 'megatron' converts {', '.join(MEGATRON_MODEL_TYPES)} "
+                f"models; the model ({source}) has model_type = {kind!r}: set train.backend = "
+                f"'torch'"]
+    errors = []
+    dense_layers = config.get("mlp_only_layers") or []
+    if kind == "qwen3_moe" and (int(config.get("decoder_sparse_step") or 1) != 1 or dense_layers):
+        errors.append(f"train.backend = 'megatron' needs every layer of a qwen3_moe model to be "
+                      f"MoE; the model ({source}) has decoder_sparse_step = "
+                      f"{config.get('decoder_sparse_step')}, mlp_only_layers = {dense_layers}: "
+                      f"set train.backend = 'torch'")
+    if moe_dims(config) and t.tensor_parallel > 1:
+        errors.append(f"train.tensor_parallel = {t.tensor_parallel} with an MoE model "
+                      f"({source}): the megatron backend runs MoE models at TP 1 for now "
+                      f"(megatron needs sequence parallelism there); split the experts with "
+                      f"train.expert_parallel instead, or set train.tensor_parallel = 1")
+    replay = t.routing_replay == "r3" or (t.routing_replay == "auto" and moe_dims(config))
+    if replay and t.recompute == "full" and t.pipeline_parallel > 1:
+        errors.append("train.recompute = 'full' with train.pipeline_parallel > 1 cannot replay "
+                      "routing in the megatron backend (1F1B recomputes a router after later "
+                      "micro-batches' forwards); set train.recompute = 'selective' or 'none', "
+                      "or train.routing_replay = 'off'")
+    return errors
+
+
 def moe_errors(cfg: RunConfig) -> list[str]:
     """The layout rules above, and the model's experts against train.expert_parallel and
     train.routing_replay (where its architecture is readable: model.hf_config,
@@ -59,6 +95,7 @@ def moe_errors(cfg: RunConfig) -> list[str]:
     config, source = architecture(cfg)
     if config is None:
         return errors
+    errors += megatron_model_errors(cfg, config, source)
     t, moe = cfg.train, moe_dims(config)
     ep = t.expert_parallel
     if moe is None:

@@ -14,6 +14,11 @@ groups -> advantages -> items -> micro-batches
    -> metrics (reduced over DP; computed on the last pipeline stage)
 ```
 
+MoE models with routing replay (`train.routing_replay`): every forward step forces its
+micro-batch's recorded experts (rl_async/train/megatron_replay.py); of the torch trainer's
+routing metrics, the counts (replayed / unreplayed tokens, bytes) and the agreement are
+reported, the log-prob mismatch (an extra forward) not yet.
+
 Only the last pipeline stage computes log-probs, so only its ranks have real metrics (the
 others return zeros): `reports_metrics` names the one rank (last stage, DP rank 0, TP rank
 0) whose return value the fleet logs.
@@ -40,7 +45,7 @@ from rl_async.algo.advantages import DEFAULT_ESTIMATOR, group_advantages
 from rl_async.algo.corrections import Corrections, corrections_from
 from rl_async.algo.loss import (MAX_STATS, SUM_STATS, metrics_from_stats, policy_terms,
                                 ratio_quantile, step_units)
-from rl_async.train import megatron_checkpoint, megatron_export
+from rl_async.train import megatron_checkpoint, megatron_export, megatron_replay
 from rl_async.train import megatron_model as mm
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, micro_batches, pack
@@ -118,6 +123,9 @@ class MegatronTrainer:
             mm.load_hf_checkpoint(module, hf_weights, hf_config, pcfg)
         else:
             mm.load_hf_weights(module, hf_weights, hf_config, pcfg)
+        # MoE, train.routing_replay: every scoring forward forces the engine's experts
+        self.routing = megatron_replay.for_trainer(module, hf_config, pcfg)
+        self._measure_version: int | None = None
         ddp_cfg = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer
         )
@@ -176,14 +184,24 @@ class MegatronTrainer:
             self.model.eval()
             self._score_anchors(items)
         self.model.train()
-        per_step = [self._optimizer_step(items[s:s + local_step], policy_version)
-                    for s in range(0, len(items), local_step)]
+        per_step = []
+        for s in range(0, len(items), local_step):
+            # routing agreement: the first step's forwards run the pre-update weights
+            self._measure_version = policy_version if not per_step else None
+            per_step.append(self._optimizer_step(items[s:s + local_step], policy_version))
+        self._measure_version = None
         out = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
         out["train/response_tokens"] = sum(m["train/response_tokens"] for m in per_step)
         out["train/nonfinite_updates"] = sum(m["train/nonfinite_updates"] for m in per_step)
         out["train/optimizer_steps"] = float(len(per_step))
         out["train/step"] = float(self.step)
         out["train/lr"] = per_step[-1]["train/lr"]  # as the torch backend: the latest lr
+        if self.routing is not None:
+            from megatron.core import parallel_state
+
+            out.update(megatron_replay.replay_counts(
+                items, parallel_state.get_data_parallel_group()))
+            out.update(megatron_replay.agreement(self.routing))
         self.policy_version = policy_version
         return out
 
@@ -196,7 +214,8 @@ class MegatronTrainer:
         ]
 
     def _micro_batches(self, items: list[TrainItem]) -> list[PackedBatch]:
-        return [pack(mb, self.device) for mb in micro_batches(
+        routing = self.routing and (self.routing.moe_layers, self.routing.top_k)
+        return [pack(mb, self.device, routing_layers=routing or None) for mb in micro_batches(
             items, self.cfg.micro_batch_size, self.cfg.max_tokens_per_microbatch)]
 
     def _run_schedule(self, batches: list[PackedBatch], loss_func: Any, forward_only: bool) -> list[Any]:
@@ -205,16 +224,24 @@ class MegatronTrainer:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[Tensor, Any]:
             batch = next(data_iterator)
+            if self.routing is not None:
+                measure = (None if self._measure_version is None else
+                           megatron_replay.on_policy_rows(batch, self._measure_version))
+                self.routing.force(batch.routing_BLMK, measure)
             return mm.forward_logits(model, batch.input_ids_BL), partial(loss_func, batch)
 
         # Shapes vary per micro-batch (variable_seq_lengths: PP stages exchange them).
         seq_len = max(b.input_ids_BL.shape[1] for b in batches)
         rows = max(b.input_ids_BL.shape[0] for b in batches)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-            num_microbatches=len(batches), seq_length=seq_len,
-            micro_batch_size=rows, forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+                num_microbatches=len(batches), seq_length=seq_len,
+                micro_batch_size=rows, forward_only=forward_only,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.force(None)
 
     def _logprobs(self, batch: PackedBatch, output: Tensor,
                   with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -343,21 +370,30 @@ class MegatronTrainer:
 
     def layout(self) -> dict[str, int]:
         p = self.cfg.parallel
-        return {"world": dist.get_world_size(), "tp": p.tensor_parallel_size, "pp": p.pipeline_parallel_size}
+        out = {"world": dist.get_world_size(), "tp": p.tensor_parallel_size,
+               "pp": p.pipeline_parallel_size}
+        if p.expert_parallel_size > 1:  # checkpoints from before EP have no "ep" and are EP 1
+            out["ep"] = p.expert_parallel_size
+        return out
 
 
 # ---------------------------------------------------------------------- from a run config
 
 
-def trainer_config_from_run(cfg: Any, global_batch_size: int) -> MegatronTrainerConfig:
+def trainer_config_from_run(cfg: Any, global_batch_size: int,
+                            routing_replay: bool = False) -> MegatronTrainerConfig:
     """The trainer config for `cfg` (a RunConfig): the same `train.*` keys as the torch
-    backend, so both backends train identically on the same batch."""
+    backend, so both backends train identically on the same batch. `routing_replay`:
+    train.routing_replay resolved for the model (rl_async.plan.moe.replay_for, as the
+    caller passes it to the torch trainer)."""
     t = cfg.train
     parallel = mm.MegatronParallelConfig(
         tensor_parallel_size=t.tensor_parallel, pipeline_parallel_size=t.pipeline_parallel,
+        expert_parallel_size=t.expert_parallel, moe_load_balancing=t.moe_load_balancing,
         params_dtype=cfg.model.dtype if cfg.model.dtype != "float16" else "bfloat16",
         seed=cfg.model.init_seed, recompute=t.recompute,
-        transformer_impl=mm.resolve_transformer_impl(t.transformer_impl))
+        transformer_impl=mm.resolve_transformer_impl(t.transformer_impl),
+        routing_replay=routing_replay)
     return MegatronTrainerConfig(
         parallel=parallel, global_batch_size=global_batch_size,
         micro_batch_size=t.micro_batch_size,

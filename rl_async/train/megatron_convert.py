@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weight conversion for the Llama / Qwen2 family.
+"""Hugging Face <-> megatron-core weight conversion: Llama, Qwen2, Qwen3, Qwen3-MoE.
 
 Pure tensor code: nothing here imports megatron-core, so the round trip is testable anywhere.
 Layouts follow megatron-core 0.16 (`GPTModel` with the local or Transformer Engine spec):
@@ -11,6 +11,9 @@ Layouts follow megatron-core 0.16 (`GPTModel` with the local or Transformer Engi
   `[gate_r; up_r]`, so sharding splits gate and up separately and re-concatenates.
 - Row-parallel layers (`linear_proj`, `linear_fc2`) shard along dim 1; norms are replicated;
   the (vocab-parallel) embedding and output layer shard along dim 0 over a padded vocabulary.
+- Qwen3's per-head `q_norm` / `k_norm` are megatron's `qk_layernorm` (`self_attention.
+  q_layernorm.weight`, `k_layernorm.weight`, [head_dim], replicated over TP).
+- Qwen3-MoE's experts and router: rl_async/train/megatron_moe.py.
 - The Transformer Engine spec fuses the pre-attention / pre-MLP norms into the next linear
   (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`); `te_norm_names=True`
   selects those names.
@@ -26,7 +29,12 @@ from typing import Any
 
 import torch
 
+from rl_async.train import megatron_moe as moe
+
 Tensors = dict[str, torch.Tensor]
+SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+QK_NORMS = (("q_norm.weight", "self_attention.q_layernorm.weight"),
+            ("k_norm.weight", "self_attention.k_layernorm.weight"))
 
 _HF_LAYER = "model.layers.{i}."
 _MC_LAYER = "decoder.layers.{i}."
@@ -46,6 +54,10 @@ class ModelShape:
     tied_embeddings: bool = False
     qkv_bias: bool = False
     te_norm_names: bool = False
+    qk_norm: bool = False           # Qwen3: RMSNorm over each head's queries and keys
+    num_experts: int = 0            # Qwen3-MoE: routed experts per layer (0: dense MLP)
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0    # one expert's intermediate width
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,23 +69,28 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Any, te_norm_names: bool = False) -> ModelShape:
         model_type = getattr(config, "model_type", "")
-        if model_type not in ("llama", "qwen2"):
+        if model_type not in SUPPORTED:
             raise ValueError(
                 f"model_type={model_type!r} is not supported by the megatron converter; "
-                f"supported: 'llama', 'qwen2'"
+                f"supported: {', '.join(map(repr, SUPPORTED))}"
             )
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported: megatron-core would need add_bias_linear")
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        # Qwen2 always carries q/k/v biases; Llama only with attention_bias (then o_proj too).
-        qkv_bias = model_type == "qwen2" or bool(getattr(config, "attention_bias", False))
-        if model_type == "llama" and getattr(config, "attention_bias", False):
+        # Qwen2 always carries q/k/v biases; Llama and Qwen3 only with attention_bias (then
+        # o_proj too, which megatron cannot give without a bias on every linear).
+        qkv_bias = model_type == "qwen2"
+        if model_type != "qwen2" and getattr(config, "attention_bias", False):
             raise ValueError(
-                "llama attention_bias=True (bias on o_proj as well) has no megatron-core "
-                "equivalent without biases on every linear; use attention_bias=False"
+                f"{model_type} attention_bias=True (bias on o_proj as well) has no megatron-core "
+                f"equivalent without biases on every linear; use attention_bias=False"
             )
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError(f"{model_type} use_sliding_window=True: the megatron backend runs full "
+                             f"causal attention only; set use_sliding_window=False or use the "
+                             f"torch backend")
         return cls(
             num_layers=config.num_hidden_layers,
             hidden_size=config.hidden_size,
@@ -85,6 +102,8 @@ class ModelShape:
             tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             te_norm_names=te_norm_names,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe.shape_fields(config),
         )
 
     @property
@@ -92,9 +111,12 @@ class ModelShape:
         return self.num_heads // self.num_kv_heads
 
     def norm_names(self) -> tuple[str, str]:
-        """Megatron names (within a layer) of the pre-attention and pre-MLP norm weights."""
+        """Megatron names (within a layer) of the pre-attention and pre-MLP norm weights.
+        Transformer Engine's MoE layer keeps its own pre-MLP norm: the router reads the
+        normalised input too, so it cannot live inside an expert's fc1."""
         if self.te_norm_names:
-            return ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
+            pre_mlp = "pre_mlp_layernorm.weight" if self.num_experts else "mlp.linear_fc1.layer_norm_weight"
+            return ("self_attention.linear_qkv.layer_norm_weight", pre_mlp)
         return ("input_layernorm.weight", "pre_mlp_layernorm.weight")
 
 
@@ -138,7 +160,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def hf_to_megatron(hf: Tensors, shape: ModelShape, vocab_rows: int | None = None) -> Tensors:
-    """Full (unsharded) megatron-core state dict from a Hugging Face Llama/Qwen2 state dict.
+    """Full (unsharded) megatron-core state dict from a Hugging Face state dict (SUPPORTED).
 
     `vocab_rows` pads the embedding / output layer with zero rows (see `padded_vocab_size`).
     A tied model gets no `output_layer.weight` (megatron shares the embedding).
@@ -160,6 +182,12 @@ def hf_to_megatron(hf: Tensors, shape: ModelShape, vocab_rows: int | None = None
                 hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], shape
             )
         out[m + "self_attention.linear_proj.weight"] = hf[a + "o_proj.weight"]
+        if shape.qk_norm:
+            for hf_name, mc_name in QK_NORMS:
+                out[m + mc_name] = hf[a + hf_name]
+        if shape.num_experts:
+            out.update(moe.experts_to_megatron(hf, h, m, shape.num_experts))
+            continue
         mlp = h + "mlp."
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[mlp + "gate_proj.weight"], hf[mlp + "up_proj.weight"]], dim=0
@@ -192,7 +220,8 @@ def embedding_to_hf(mc: Tensors, shape: ModelShape) -> Tensors:
 
 def layer_to_hf(mc: Tensors, i: int, shape: ModelShape) -> Tensors:
     """Layer i's HF tensors from its megatron tensors (global layer names). gate/up are
-    views of the fused fc1: a writer that needs separate storage copies them."""
+    views of the fused fc1: a writer that needs separate storage copies them. An MoE
+    layer's experts come out as transformers' fused 3-D tensors (what its model holds)."""
     h, m = _HF_LAYER.format(i=i), _MC_LAYER.format(i=i)
     a = h + "self_attn."
     pre_attn, pre_mlp = shape.norm_names()
@@ -204,6 +233,12 @@ def layer_to_hf(mc: Tensors, i: int, shape: ModelShape) -> Tensors:
         qb, kb, vb = split_qkv(mc[m + "self_attention.linear_qkv.bias"], shape)
         out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = qb, kb, vb
     out[a + "o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+    if shape.qk_norm:
+        for hf_name, mc_name in QK_NORMS:
+            out[a + hf_name] = mc[m + mc_name]
+    if shape.num_experts:
+        out.update(moe.experts_to_hf(mc, h, m, shape.num_experts))
+        return out
     fc1, f = mc[m + "mlp.linear_fc1.weight"], shape.ffn_hidden_size
     out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = fc1[:f], fc1[f:]
     out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
@@ -223,7 +258,7 @@ def final_to_hf(mc: Tensors, shape: ModelShape, emit_tied_lm_head: bool = False,
 def _require(sd: Tensors, keys: list[str], what: str) -> None:
     missing = [k for k in keys if k not in sd]
     if missing:
-        raise KeyError(f"{what} state dict lacks {missing}; is this a Llama/Qwen2 checkpoint?")
+        raise KeyError(f"{what} state dict lacks {missing}; is this a Llama/Qwen2/Qwen3 checkpoint?")
 
 
 # ---------------------------------------------------------------- tensor parallelism

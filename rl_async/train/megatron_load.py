@@ -9,7 +9,9 @@ its PP stage holds, one tensor at a time, straight into its parameters:
 - `linear_qkv`: this rank's query groups are one contiguous row range of each of q, k and v,
   fused with megatron's per-group interleave (`megatron_convert.fuse_qkv`);
 - `linear_fc1`: this rank's rows of gate and of up, concatenated;
-- `linear_proj`, `linear_fc2`: this rank's columns; norms: whole.
+- `linear_proj`, `linear_fc2`: this rank's columns; norms (Qwen3's q/k norms too): whole;
+- MoE experts: the same rules per expert, read from the checkpoint's per-expert tensors
+  (or its fused 3-D ones), and the router whole (megatron_moe.expert_tensor).
 
 The result is exactly `megatron_convert.shard_tp(split_pp(hf_to_megatron(full)))` for the
 rank (tests/unit/test_megatron_load.py checks that), without ever holding `full`. Pure
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from rl_async.train import megatron_convert as conv
+from rl_async.train import megatron_moe as moe
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -70,7 +73,7 @@ class HFCheckpoint:
     def _slice(self, name: str):
         if name not in self.weight_map:
             raise KeyError(f"{name!r} is not in the checkpoint at {str(self.path)!r}; is this a "
-                           f"Llama/Qwen2 checkpoint?")
+                           f"Llama/Qwen2/Qwen3/Qwen3-MoE checkpoint?")
         file = self.weight_map[name]
         if file not in self._files:
             from safetensors import safe_open
@@ -85,6 +88,10 @@ class HFCheckpoint:
 
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._slice(name)[:, start:stop]
+
+    def index(self, name: str, *index: slice) -> torch.Tensor:
+        """A slice along every leading dim (`slice(e, e + 1), slice(a, b)`), read alone."""
+        return self._slice(name)[index]
 
     def shape(self, name: str) -> list[int]:
         return list(self._slice(name).get_shape())
@@ -102,7 +109,7 @@ def _vocab_rows(ckpt: HFCheckpoint, name: str, shape: conv.ModelShape, vocab_row
 
 
 def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelShape,
-                  tp_size: int, tp_rank: int) -> torch.Tensor:
+                  tp_size: int, tp_rank: int, first_expert: int = 0) -> torch.Tensor:
     """One megatron tensor (`rest` = its name within the layer) of global layer `layer`."""
     h = f"model.layers.{layer}."
     a = h + "self_attn."
@@ -111,6 +118,12 @@ def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelSh
         return ckpt.rows(h + "input_layernorm.weight")
     if rest == pre_mlp:
         return ckpt.rows(h + "post_attention_layernorm.weight")
+    for hf_name, mc_name in conv.QK_NORMS:
+        if rest == mc_name:
+            return ckpt.rows(a + hf_name)
+    if rest.startswith("mlp.router.") or rest.startswith("mlp.experts."):
+        return moe.expert_tensor(ckpt, rest, h, shape.moe_ffn_hidden_size // tp_size, tp_rank,
+                                 first_expert)
     if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = rest.rsplit(".", 1)[1]
         groups = shape.num_kv_heads // tp_size  # whole query groups per rank
@@ -137,12 +150,20 @@ def _layer_tensor(ckpt: HFCheckpoint, rest: str, layer: int, shape: conv.ModelSh
 
 def local_tensors(ckpt: HFCheckpoint, names: Iterable[str], shape: conv.ModelShape,
                   tp_size: int, tp_rank: int, pp_size: int, pp_rank: int,
-                  vocab_rows: int) -> Iterator[tuple[str, torch.Tensor]]:
+                  vocab_rows: int, ep_size: int = 1, ep_rank: int = 0
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """(megatron local name, tensor) for each of `names` (this rank's parameter names, with
-    stage-local layer numbers), read from the checkpoint one at a time."""
-    if shape.num_kv_heads % tp_size or shape.ffn_hidden_size % tp_size:
+    stage-local layer numbers and, for MoE, local expert numbers: expert-parallel rank
+    `ep_rank` holds experts ep_rank * E / ep_size onwards), read one at a time."""
+    if shape.num_experts % ep_size:
+        raise ValueError(f"train.expert_parallel = {ep_size} must divide the model's "
+                         f"{shape.num_experts} experts")
+    first_expert = ep_rank * (shape.num_experts // ep_size)
+    if shape.num_kv_heads % tp_size or shape.ffn_hidden_size % tp_size or (
+            shape.moe_ffn_hidden_size % tp_size):
         raise ValueError(f"tensor_parallel_size={tp_size} must divide num_key_value_heads="
-                         f"{shape.num_kv_heads} and intermediate_size={shape.ffn_hidden_size}")
+                         f"{shape.num_kv_heads}, intermediate_size={shape.ffn_hidden_size} and "
+                         f"moe_intermediate_size={shape.moe_ffn_hidden_size}")
     if shape.num_layers % pp_size:
         raise ValueError(f"pipeline_parallel_size={pp_size} must divide num_hidden_layers="
                          f"{shape.num_layers}")
@@ -151,7 +172,7 @@ def local_tensors(ckpt: HFCheckpoint, names: Iterable[str], shape: conv.ModelSha
         if name.startswith("decoder.layers."):
             idx, rest = name[len("decoder.layers."):].split(".", 1)
             layer = pp_rank * per_stage + int(idx)
-            yield name, _layer_tensor(ckpt, rest, layer, shape, tp_size, tp_rank)
+            yield name, _layer_tensor(ckpt, rest, layer, shape, tp_size, tp_rank, first_expert)
         elif name == "embedding.word_embeddings.weight":
             yield name, _vocab_rows(ckpt, "model.embed_tokens.weight", shape, vocab_rows,
                                     tp_size, tp_rank)

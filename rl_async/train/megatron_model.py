@@ -1,4 +1,5 @@
-"""megatron-core GPTModel for a Hugging Face Llama / Qwen2 config: build, load, score, export.
+"""megatron-core GPTModel for a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE config: build,
+load, score, export (experts and router: rl_async/train/megatron_moe.py).
 
 Written against megatron-core 0.16.1 (`pip install --no-deps megatron-core==0.16.1`); the
 APIs used are `parallel_state.initialize_model_parallel`,
@@ -8,7 +9,8 @@ APIs used are `parallel_state.initialize_model_parallel`,
 module imports (and its config validates) without it.
 
 Layout of one process: TP × PP × DP ranks from `torch.distributed` (already initialised by
-the caller); this rank holds one pipeline stage's layers, TP-sharded. Weights travel as full
+the caller); this rank holds one pipeline stage's layers, TP-sharded, and for an
+MoE model E / EP of each layer's experts (EP ranks are carved out of DP). Weights travel as full
 Hugging Face tensors in, and full Hugging Face tensors out (gathered over TP and PP).
 """
 
@@ -25,6 +27,7 @@ from torch import Tensor
 
 from rl_async.train import logits as logits_lib
 from rl_async.train import megatron_convert as conv
+from rl_async.train import megatron_moe as moe
 
 IMPLS = ("local", "transformer_engine")
 RECOMPUTE = ("none", "selective", "full")
@@ -51,6 +54,9 @@ class MegatronParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # MoE: each layer's experts split over this many ranks of the data-parallel group
+    # (megatron's expert_model_parallel_size; experts keep TP = tensor_parallel_size).
+    expert_parallel_size: int = 1
     # "local" runs anywhere megatron-core runs; "transformer_engine" needs TE on a GPU.
     transformer_impl: str = "local"
     params_dtype: str = "float32"       # "bfloat16" on GPU
@@ -63,15 +69,22 @@ class MegatronParallelConfig:
     # None: fused on GPU (its kernel is torch.compile'd), unfused on CPU. The memory plan
     # counts the same rule (rl_async/plan/memory.py swiglu_saved).
     activation_fusion: bool | None = None
+    # MoE models only (megatron_moe.moe_transformer_kwargs says why "none" is the default).
+    moe_load_balancing: str = "none"
+    routing_replay: bool = False        # megatron's RouterReplay forces recorded experts
 
     def __post_init__(self) -> None:
-        for key in ("tensor_parallel_size", "pipeline_parallel_size", "vocab_divisible_by"):
+        for key in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                    "vocab_divisible_by"):
             if getattr(self, key) < 1:
                 raise ValueError(f"megatron.{key}={getattr(self, key)} must be >= 1")
         if self.transformer_impl not in IMPLS:
             raise ValueError(f"megatron.transformer_impl={self.transformer_impl!r}: use one of {IMPLS}")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"train.recompute={self.recompute!r}: use one of {RECOMPUTE}")
+        if self.moe_load_balancing not in moe.LOAD_BALANCING:
+            raise ValueError(f"train.moe_load_balancing={self.moe_load_balancing!r}: use one "
+                             f"of {moe.LOAD_BALANCING}")
         if self.params_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"megatron.params_dtype={self.params_dtype!r}: use 'float32' or 'bfloat16'")
 
@@ -86,7 +99,12 @@ class MegatronParallelConfig:
                 f"world size {world_size} is not a multiple of tensor_parallel_size × "
                 f"pipeline_parallel_size = {model_parallel}"
             )
-        return world_size // model_parallel
+        dp = world_size // model_parallel
+        if dp % self.expert_parallel_size:
+            raise ValueError(f"train.expert_parallel = {self.expert_parallel_size} must divide "
+                             f"the {dp} data-parallel ranks (experts are split over ranks "
+                             f"that hold the same layers)")
+        return dp
 
 
 def initialize_parallel(cfg: MegatronParallelConfig) -> None:
@@ -100,6 +118,7 @@ def initialize_parallel(cfg: MegatronParallelConfig) -> None:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_parallel_size,
             pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+            expert_model_parallel_size=cfg.expert_parallel_size,
         )
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.seed)
 
@@ -117,7 +136,7 @@ def _rope_theta(hf_config: Any) -> float:
 
 
 def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
-    """megatron TransformerConfig equivalent to a Hugging Face Llama / Qwen2 config."""
+    """megatron TransformerConfig equivalent to a Hugging Face config (conv.SUPPORTED)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     shape = conv.ModelShape.from_hf_config(hf_config)
@@ -130,14 +149,21 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     elif cfg.recompute == "full":  # every layer from its input, one layer at a time
         recompute = {"recompute_granularity": "full", "recompute_method": "uniform",
                      "recompute_num_layers": 1}
+    # Dense model: the MoE dispatcher is unused, but the default ("allgather") is rejected
+    # together with variable_seq_lengths by TransformerConfig's checks.
+    experts = {"moe_token_dispatcher_type": "alltoall"}
+    experts.update(moe.moe_transformer_kwargs(hf_config, shape, cfg.moe_load_balancing,
+                                              cfg.routing_replay, cfg.tensor_parallel_size))
     return TransformerConfig(
         **recompute,
+        **experts,
         transformer_impl=cfg.transformer_impl,  # forward_logits reads it (the mask)
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads,
         num_query_groups=shape.num_kv_heads,
         kv_channels=shape.head_dim,
+        qk_layernorm=shape.qk_norm,  # Qwen3: RMSNorm per head (the same `normalization`)
         ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf_config.rms_norm_eps),
@@ -149,13 +175,11 @@ def transformer_config(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
         attention_dropout=0.0,
         tensor_model_parallel_size=cfg.tensor_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_parallel_size,
+        expert_model_parallel_size=cfg.expert_parallel_size,
         pipeline_dtype=cfg.dtype,
         params_dtype=cfg.dtype,
         bf16=cfg.dtype == torch.bfloat16,
         variable_seq_lengths=True,  # every collection is padded to its own length
-        # Dense model: the MoE dispatcher is unused, but the default ("allgather") is
-        # rejected together with variable_seq_lengths by TransformerConfig's checks.
-        moe_token_dispatcher_type="alltoall",
         use_cpu_initialization=not on_gpu,
         # Fused CUDA kernels only where they exist; the SwiGLU one saves 2f/t per token.
         bias_activation_fusion=(on_gpu if cfg.activation_fusion is None
@@ -175,10 +199,15 @@ def build_gpt_model(hf_config: Any, cfg: MegatronParallelConfig) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     tcfg = transformer_config(hf_config, cfg)
+    shape = conv.ModelShape.from_hf_config(hf_config)
+    spec_args = {"num_experts": shape.num_experts or None, "moe_grouped_gemm": False,
+                 "qk_layernorm": shape.qk_norm}
     if cfg.transformer_impl == "transformer_engine":
-        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = specs.get_gpt_layer_with_transformer_engine_spec(**spec_args)
     else:
-        layer_spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = specs.get_gpt_layer_local_spec(normalization="RMSNorm", **spec_args)
+    if shape.num_experts:
+        moe.patch_router_gemm_without_te()
     vocab = conv.padded_vocab_size(hf_config.vocab_size, cfg.tensor_parallel_size, cfg.vocab_divisible_by)
     model = GPTModel(
         config=tcfg,
@@ -201,13 +230,15 @@ def model_shape(hf_config: Any, cfg: MegatronParallelConfig) -> conv.ModelShape:
 
 
 def local_state_from_hf(hf_state: dict[str, Tensor], hf_config: Any, cfg: MegatronParallelConfig,
-                        tp_rank: int, pp_rank: int) -> dict[str, Tensor]:
-    """The megatron tensors that TP rank `tp_rank` of stage `pp_rank` holds."""
+                        tp_rank: int, pp_rank: int, ep_rank: int = 0) -> dict[str, Tensor]:
+    """The megatron tensors that TP rank `tp_rank` of stage `pp_rank` (and expert-parallel
+    rank `ep_rank`: its share of each layer's experts) holds."""
     shape = model_shape(hf_config, cfg)
     rows = conv.padded_vocab_size(shape.vocab_size, cfg.tensor_parallel_size, cfg.vocab_divisible_by)
     full = conv.hf_to_megatron(hf_state, shape, vocab_rows=rows)
     stage = conv.split_pp(full, shape, cfg.pipeline_parallel_size)[pp_rank]
-    return conv.shard_tp(stage, shape, cfg.tensor_parallel_size)[tp_rank]
+    local = conv.shard_tp(stage, shape, cfg.tensor_parallel_size)[tp_rank]
+    return moe.select_experts(local, shape.num_experts, cfg.expert_parallel_size, ep_rank)
 
 
 def load_hf_weights(model: Any, hf_state: dict[str, Tensor], hf_config: Any, cfg: MegatronParallelConfig) -> None:
@@ -218,6 +249,7 @@ def load_hf_weights(model: Any, hf_state: dict[str, Tensor], hf_config: Any, cfg
         hf_state, hf_config, cfg,
         parallel_state.get_tensor_model_parallel_rank(),
         parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_expert_model_parallel_rank(),
     )
     params = _tensor_state(model)
     missing = sorted(set(params) - set(local))
@@ -244,7 +276,8 @@ def load_hf_checkpoint(model: Any, ckpt: Any, hf_config: Any, cfg: MegatronParal
     tensors = megatron_load.local_tensors(
         ckpt, list(params), shape, cfg.tensor_parallel_size,
         parallel_state.get_tensor_model_parallel_rank(), cfg.pipeline_parallel_size,
-        parallel_state.get_pipeline_model_parallel_rank(), rows)
+        parallel_state.get_pipeline_model_parallel_rank(), rows,
+        cfg.expert_parallel_size, parallel_state.get_expert_model_parallel_rank())
     with torch.no_grad():
         for name, tensor in tensors:
             if params[name].shape != tensor.shape:

@@ -12,7 +12,10 @@ those with CPU equivalents (the optimizer, grad-clip and schedule modules see a 
 optimizer checks `param.type() == 'torch.cuda.FloatTensor'` when it builds its shards
 (distrib_optimizer.py `_build_model_and_main_param_groups`): a parameter's `type()` here
 answers with the CUDA name of its dtype, so it runs on CPU too (the same buckets, shards and
-checkpoint format as on a GPU). Never product code.
+checkpoint format as on a GPU). The MoE alltoall dispatcher copies its split sizes to the host
+on a side CUDA stream (token_dispatcher.py `_maybe_dtoh_and_synchronize`): on CPU there is
+nothing to copy, so a stream that does nothing stands in, and the split sizes become the
+numpy arrays all_to_all_single takes (`maybe_move_tensor_to_cpu` converts only CUDA tensors). Never product code.
 """
 
 from __future__ import annotations
@@ -46,6 +49,26 @@ class CpuRngTracker:
             yield
         finally:
             torch.set_rng_state(state)
+
+
+class CpuStream:
+    """Stands in for a torch.cuda.Stream (and its event): one CPU stream, nothing to wait for."""
+
+    def wait_stream(self, other: object) -> None:
+        pass
+
+    def record_event(self) -> CpuStream:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _split_sizes_to_host(tensor, as_numpy=False, record_stream=False):
+    """moe_utils.maybe_move_tensor_to_cpu for CPU tensors: numpy where asked, as on a GPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
 
 
 def _free_port() -> int:
@@ -101,10 +124,17 @@ def apply_cpu_shims(setattr_=setattr) -> None:
     from megatron.core.optimizer import optimizer as moptimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     tracker = CpuRngTracker()
     setattr_(torch.cuda, "current_device", lambda: torch.device("cpu"))
     setattr_(torch.cuda, "synchronize", lambda *a, **k: None)  # pipeline p2p shape exchange
+    main_stream = CpuStream()
+    setattr_(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", CpuStream())
+    setattr_(token_dispatcher, "maybe_move_tensor_to_cpu", _split_sizes_to_host)
+    setattr_(torch.cuda, "current_stream", lambda *a, **k: main_stream)
+    setattr_(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
     setattr_(tensor_parallel, "get_cuda_rng_tracker", lambda *a, **k: tracker)
     setattr_(mrandom, "get_cuda_rng_tracker", lambda *a, **k: tracker)
     setattr_(tensor_parallel, "model_parallel_cuda_manual_seed",

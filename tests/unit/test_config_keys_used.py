@@ -28,9 +28,6 @@ PLAN_ONLY = {
     "cluster.gpu_memory_gb": "the memory plan: per-GPU estimates against it",
     "model.architecture": "the memory plan where model.path is not readable",
     "publication.bytes_per_s": "validate's publication deadline arithmetic (transfer time)",
-    # until the megatron trainer builds MoE models (issue 43) and passes it on as
-    # expert_model_parallel_size: then this entry fails the test below; remove it
-    "train.expert_parallel": "the memory plan's expert sharding and validate's layout rules",
 }
 # Keys the run reads through what is resolved from them once: the capacity plan (the one
 # source of truth for limits) or a RunConfig property (a profile-dependent default).

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from rl_async.train import megatron_convert as mc
 
@@ -20,10 +21,18 @@ TINY = dict(
 )
 
 
+MOE = dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+           norm_topk_prob=True)
+
+
 def _hf_model(kind: str, tied: bool = False):
     torch.manual_seed(0)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**TINY, tie_word_embeddings=tied))
+    if kind == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=tied))
+    if kind == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY, **MOE, tie_word_embeddings=tied))
     return Qwen2ForCausalLM(Qwen2Config(**TINY, tie_word_embeddings=tied))
 
 
@@ -37,7 +46,8 @@ def _hf_state(model) -> dict[str, torch.Tensor]:
     return {k: torch.randn(v.shape, generator=gen) for k, v in sd.items()}
 
 
-CASES = [("llama", False), ("qwen2", False), ("qwen2", True), ("llama", True)]
+CASES = [("llama", False), ("qwen2", False), ("qwen2", True), ("llama", True), ("qwen3", True),
+         ("qwen3_moe", False)]
 
 
 @pytest.mark.parametrize("kind,tied", CASES)
@@ -69,6 +79,41 @@ def test_megatron_names_and_shapes(te_names):
     norm = "self_attention.linear_qkv.layer_norm_weight" if te_names else "input_layernorm.weight"
     assert f"decoder.layers.0.{norm}" in full
     assert "output_layer.weight" in full and "decoder.final_layernorm.weight" in full
+
+
+def test_qwen3_moe_names_shapes_and_the_on_disk_form():
+    """Experts: fused 3-D HF tensors <-> one megatron MLP per expert; the per-expert form of
+    checkpoints on disk converts to the same megatron tensors; qk norms are [head_dim]."""
+    model = _hf_model("qwen3_moe")
+    hf = _hf_state(model)
+    shape = mc.ModelShape.from_hf_config(model.config)
+    assert (shape.num_experts, shape.moe_top_k, shape.moe_ffn_hidden_size, shape.qk_norm) == (4, 2, 24, True)
+    full = mc.hf_to_megatron(hf, shape)
+    layer = "decoder.layers.1."
+    assert full[layer + "mlp.router.weight"].shape == (4, 32)
+    fc1 = full[layer + "mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert fc1.shape == (48, 32) and full[layer + "mlp.experts.local_experts.3.linear_fc2.weight"].shape == (32, 24)
+    assert full[layer + "self_attention.q_layernorm.weight"].shape == (16,)
+    assert not any("linear_fc1" in k and "local_experts" not in k for k in full)
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"]
+    on_disk = {k: v for k, v in hf.items() if ".mlp.experts." not in k}
+    for i in range(shape.num_layers):
+        for e in range(4):
+            x = f"model.layers.{i}.mlp.experts.{e}."
+            g, u = hf[f"model.layers.{i}.mlp.experts.gate_up_proj"][e].chunk(2)
+            on_disk.update({x + "gate_proj.weight": g, x + "up_proj.weight": u,
+                            x + "down_proj.weight": hf[f"model.layers.{i}.mlp.experts.down_proj"][e]})
+    from_disk = mc.hf_to_megatron(on_disk, shape)
+    assert from_disk.keys() == full.keys() and all(torch.equal(from_disk[k], full[k]) for k in full)
+    assert torch.equal(fc1[:24], gate_up[3, :24])  # gate first, as megatron's SwiGLU fc1
+    rank1 = mc.shard_tp(full, shape, 2)[1][layer + "mlp.experts.local_experts.3.linear_fc1.weight"]
+    assert torch.equal(rank1, torch.cat([gate_up[3, 12:24], gate_up[3, 36:]]))
+
+
+def test_mixed_dense_and_moe_layers_are_refused():
+    config = Qwen3MoeConfig(**TINY, **MOE, mlp_only_layers=[0])
+    with pytest.raises(ValueError, match=r"mlp_only_layers=\[0\].*torch backend"):
+        mc.ModelShape.from_hf_config(config)
 
 
 def test_qkv_interleaves_whole_groups():

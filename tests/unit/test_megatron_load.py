@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 from rl_async.train import megatron_convert as conv
 from rl_async.train.megatron_load import HFCheckpoint, local_tensors
@@ -14,10 +15,17 @@ TINY = dict(vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_lay
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
 
 
+FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig, {}), "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+            "qwen3": (Qwen3ForCausalLM, Qwen3Config, {"head_dim": 16}),
+            "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig,
+                          {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 24})}
+
+
 def _save(tmp_path, kind, tied, shard):
     torch.manual_seed(0)
-    cls, cfg_cls = (LlamaForCausalLM, LlamaConfig) if kind == "llama" else (Qwen2ForCausalLM, Qwen2Config)
-    model = cls(cfg_cls(**TINY, tie_word_embeddings=tied))
+    cls, cfg_cls, extra = FAMILIES[kind]
+    model = cls(cfg_cls(**TINY, **extra, tie_word_embeddings=tied))
     with torch.no_grad():  # distinct values everywhere, so a wrong slice cannot pass
         for p in model.parameters():
             p.copy_(torch.randn_like(p))
@@ -30,7 +38,8 @@ def _save(tmp_path, kind, tied, shard):
 
 
 @pytest.mark.parametrize("kind,tied,shard", [("llama", False, True), ("qwen2", True, True),
-                                             ("qwen2", False, False)])
+                                             ("qwen2", False, False), ("qwen3", True, False),
+                                             ("qwen3_moe", False, True)])
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1), (1, 4)])
 def test_every_rank_reads_exactly_its_slice(tmp_path, kind, tied, shard, tp, pp):
     hf_config, state = _save(tmp_path, kind, tied, shard)
@@ -73,3 +82,21 @@ def test_a_run_with_model_path_loads_lazily_and_a_config_model_whole(tmp_path):
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}
     config, weights = hf_weights_from_run(resolve({"model": {"hf_config": tiny}}))
     assert isinstance(weights, dict) and "model.embed_tokens.weight" in weights
+
+
+def test_fused_expert_tensors_on_disk_read_the_same_slices(tmp_path):
+    """A checkpoint written from transformers' in-memory form (fused 3-D experts) loads the
+    same per-rank expert slices as the per-expert form save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    hf_config, state = _save(tmp_path / "per_expert", "qwen3_moe", False, False)
+    (tmp_path / "fused").mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "fused" / "model.safetensors"))
+    shape = conv.ModelShape.from_hf_config(hf_config)
+    want = conv.shard_tp(conv.hf_to_megatron(state, shape, vocab_rows=128), shape, 2)[1]
+    names = [n for n in want if ".mlp." in n]
+    with HFCheckpoint(tmp_path / "fused") as fused, HFCheckpoint(tmp_path / "per_expert") as per:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+        for ckpt in (fused, per):
+            got = dict(local_tensors(ckpt, names, shape, 2, 1, 1, 0, 128))
+            assert all(torch.equal(got[n], want[n]) for n in names)

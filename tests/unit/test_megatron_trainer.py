@@ -6,6 +6,7 @@ Marked `megatron` (skipped without megatron-core)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -37,24 +38,29 @@ SHARED = ("train/loss", "train/ppo_clip_fraction", "train/tis_clip_fraction",
           "train/masked_fraction_adv_pos", "train/masked_fraction_adv_neg")
 
 
-def run_config(**train):
-    return resolve({"model": {"hf_config": HF, "init_seed": 3},
+MOE = {**HF, "model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4,
+       "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True}
+
+
+def run_config(hf=HF, **train):
+    return resolve({"model": {"hf_config": hf, "init_seed": 3},
                     "run": {"max_steps": 4},
                     "rollout": {"rollout_batch_size": 2, "n_samples_per_prompt": 4},
                     "train": {"lr": 1e-2, "lr_schedule": "cosine", "min_lr_ratio": 0.2,
                               "global_batch_size": 4, "micro_batch_size": 2, **train}})
 
 
-def torch_trainer(cfg) -> TorchTrainer:
+def torch_trainer(cfg, routing_replay: bool = False) -> TorchTrainer:
     t = cfg.train
     return TorchTrainer(TorchTrainerConfig(
         hf_config=cfg.model.hf_config, seed=cfg.model.init_seed, lr=t.lr,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, lr_schedule=t.lr_schedule,
-        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio, global_batch_size=4,
+        total_steps=cfg.run.max_steps, min_lr_ratio=t.min_lr_ratio,
+        global_batch_size=t.global_batch_size,
         micro_batch_size=t.micro_batch_size, eps_clip=t.eps_clip, eps_clip_high=t.eps_clip_high,
         tis_clip=t.tis_clip, tis_clip_low=t.tis_clip_low, use_tis=t.use_tis,
         corrections=corrections_from(t), use_rollout_logprobs=t.use_rollout_logprobs, advantage_estimator=t.advantage,
-        temperature=cfg.rollout.temperature, device="cpu"))
+        temperature=cfg.rollout.temperature, routing_replay=routing_replay, device="cpu"))
 
 
 def groups(seed: int, version: int) -> list[Group]:
@@ -116,6 +122,65 @@ def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
     exported = dict(meg.named_tensors_for_publication())
     for name, p in ref.named_tensors_for_publication():
         torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
+
+
+ROUTING_COUNTS = ("train/routing_replayed_tokens", "train/routing_unreplayed_tokens",
+                  "train/routing_replayed_samples", "train/routing_replay_bytes")
+
+
+def with_routes(gs: list[Group], seed: int) -> list[Group]:
+    """The engine's experts on every sample but the last of each group (it keeps the
+    trainer's own routing): [prompt + response - 1 positions, 2 MoE layers, top-2]."""
+    import dataclasses
+
+    from rl_async.state.moe_routing import pack_routed
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for g in gs:
+        samples = []
+        for i, s in enumerate(g.samples):
+            fed = len(s.prompt_ids) + len(s.response_ids) - 1
+            ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(fed * 2)])
+            routed = pack_routed(ids.view(fed, 2, 2)) if i < len(g.samples) - 1 else None
+            samples.append(dataclasses.replace(s, routed_experts=routed))
+        out.append(dataclasses.replace(g, samples=samples))
+    return out
+
+
+def test_qwen3_moe_with_routing_replay_agrees_with_the_torch_trainer(megatron_cpu):
+    """Both trainers force the same recorded experts (megatron: megatron_replay.py; torch:
+    state/moe_routing.py); loss, metrics and the updated weights (experts and routers
+    included) agree."""
+    from rl_async.train.megatron_backend import (MegatronTrainer, hf_weights_from_run,
+                                                 trainer_config_from_run)
+
+    cfg = run_config(hf=MOE)
+    ref = torch_trainer(cfg, routing_replay=True)
+    from rl_async.plan.moe import replay_for
+
+    mcfg = trainer_config_from_run(cfg, 4, replay_for(cfg, cfg.train.routing_replay))
+    assert mcfg.parallel.routing_replay  # "auto" is on for an MoE model
+    mcfg.use_distributed_optimizer = False
+    meg = MegatronTrainer(*hf_weights_from_run(cfg), mcfg)
+    for version, seed in ((1, 11), (2, 12)):
+        batch = with_routes(groups(seed, version), seed)
+        got, want = meg.train_collection(batch, version), ref.train_collection(batch, version)
+        assert_same_metrics(got, want)
+        for key in ROUTING_COUNTS:
+            assert got[key] == want[key] > 0, key
+    # On-policy samples (every token of the trainer's version): both measure how often
+    # the trainer's own top-k equals the recorded one, in the first step of a collection.
+    batch = [dataclasses.replace(g, samples=[dataclasses.replace(
+        s, token_versions=[3] * len(s.response_ids)) for s in g.samples])
+        for g in with_routes(groups(13, 3), 13)]
+    got, want = meg.train_collection(batch, 3), ref.train_collection(batch, 3)
+    assert 0 < want["train/routing_agreement"] < 1
+    assert got["train/routing_agreement"] == pytest.approx(want["train/routing_agreement"])
+    exported = dict(meg.named_tensors_for_publication())
+    assert "model.layers.1.mlp.experts.gate_up_proj" in exported
+    for name, p in ref.named_tensors_for_publication():
+        torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)
 
 
 # ---- TP2 x PP2 over gloo, four processes ------------------------------------------------

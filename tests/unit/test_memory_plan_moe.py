@@ -164,3 +164,23 @@ def test_rl_async_plan_prints_the_moe_facts():
     assert result.exit_code == 0, result.output
     assert "mixture of experts: 128 experts, top-8, 48 MoE layers" in result.output
     assert "3.35B active per token" in result.output and "routing replay r3" in result.output
+
+
+@pytest.mark.parametrize("arch,override,needle", [
+    ({"model_type": "mixtral"}, None, "model_type = 'mixtral': set train.backend = 'torch'"),
+    ({"mlp_only_layers": [0]}, None, "mlp_only_layers = [0]"),
+    ({}, ["train.recompute=full", "train.pipeline_parallel=2"], "train.recompute = 'full'"),
+    ({}, ["train.tensor_parallel=2"], "train.tensor_parallel = 2 with an MoE model"),
+])
+def test_validate_refuses_what_the_megatron_backend_cannot_convert_or_replay(arch, override, needle):
+    cfg = _with_arch(QWEN3_30B, **arch)
+    if override:
+        cfg = load_config(QWEN3_30B, override)
+    assert any(needle in e for e in _errors(cfg)), _errors(cfg)
+
+
+def test_validates_megatron_families_match_the_converters():
+    from rl_async.plan.moe_checks import MEGATRON_MODEL_TYPES
+    from rl_async.train.megatron_convert import SUPPORTED
+
+    assert MEGATRON_MODEL_TYPES == SUPPORTED
