@@ -128,14 +128,9 @@ class Routing:
             if forced.shape[0] != own.shape[0]:
                 raise RoutingError(f"routing replay: {forced.shape[0]} forced positions for "
                                    f"a forward of {own.shape[0]} tokens (router {index})")
-            ids = forced[:, index].to(own.device)
-            use = (ids >= 0).all(dim=-1, keepdim=True)
-            if self.measure_rows is not None:
-                rows = use[:, 0] & self.measure_rows.to(use.device)
-                same = (ids.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
-                self.agree += int((same & rows).sum())
-                self.compared += int(rows.sum())
-            chosen = torch.where(use, ids, own)
+            chosen, agree, compared = force_experts(own, forced[:, index], self.measure_rows)
+            self.agree += agree
+            self.compared += compared
         if chosen is not own:
             scores = self._weights(router, logits, chosen).to(scores.dtype)
         if self._recorded is not None:
@@ -166,6 +161,22 @@ class Routing:
                     f"gate weights differ from softmax at its top-k); routing replay knows "
                     f"Qwen2-MoE, Qwen3-MoE, OLMoE and Mixtral routers: set "
                     f"train.routing_replay = 'off' for this model")
+
+
+def force_experts(own_NK: torch.Tensor, forced_NK: torch.Tensor,
+                  measure_N: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+    """The experts a replayed router uses: `forced_NK` where a row's ids are all >= 0, its
+    own top-k elsewhere (positions nothing was recorded for). Also (rows whose own top-k set
+    equals the forced one, rows compared) among the forced rows marked in `measure_N`; the
+    torch trainer's routers and megatron's (train/megatron_replay.py) both count this way."""
+    forced_NK = forced_NK.to(own_NK.device)
+    use_N1 = (forced_NK >= 0).all(dim=-1, keepdim=True)
+    agree = compared = 0
+    if measure_N is not None:
+        rows = use_N1[:, 0] & measure_N.to(use_N1.device)
+        same = (forced_NK.sort(dim=-1).values == own_NK.sort(dim=-1).values).all(dim=-1)
+        agree, compared = int((same & rows).sum()), int(rows.sum())
+    return torch.where(use_N1, forced_NK, own_NK), agree, compared
 
 
 def pack_routed(ids_PMK: torch.Tensor) -> RoutedExperts:

@@ -50,6 +50,7 @@ from rl_async.train import megatron_model as mm
 from rl_async.train.guard import NonFiniteGuard
 from rl_async.train.batching import PackedBatch, TrainItem, item_from_sample, micro_batches, pack
 from rl_async.train.megatron_load import HFCheckpoint
+from rl_async.train.routing import on_policy_rows
 from rl_async.train.schedule import lr_at
 from rl_async.base.types import Group
 
@@ -226,7 +227,7 @@ class MegatronTrainer:
             batch = next(data_iterator)
             if self.routing is not None:
                 measure = (None if self._measure_version is None else
-                           megatron_replay.on_policy_rows(batch, self._measure_version))
+                           on_policy_rows(batch, self._measure_version))
                 self.routing.force(batch.routing_BLMK, measure)
             return mm.forward_logits(model, batch.input_ids_BL), partial(loss_func, batch)
 

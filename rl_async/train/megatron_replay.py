@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rl_async.state.moe_routing import force_experts
+
 
 class ForcedTopK:
     """One router's replay slot: the forced [tokens, k] ids of the current forward or None."""
@@ -57,15 +59,10 @@ class ForcedTopK:
             raise ValueError(f"routing replay: forced experts of shape {tuple(forced.shape)} "
                              f"for MoE layer {self.layer}, whose router routes "
                              f"{tuple(own.shape)} (tokens, top-k)")
-        forced = forced.to(own.device)
-        use = (forced >= 0).all(dim=-1, keepdim=True)
-        if self.measure_N is not None:
-            rows = use[:, 0] & self.measure_N.to(use.device)
-            same = (forced.sort(dim=-1).values == own.sort(dim=-1).values).all(dim=-1)
-            self.agree += int((same & rows).sum())
-            self.compared += int(rows.sum())
-            self.measure_N = None
-        chosen = torch.where(use, forced, own)
+        chosen, agree, compared = force_experts(own, forced, self.measure_N)
+        self.agree += agree
+        self.compared += compared
+        self.measure_N = None
         return scores.gather(1, chosen), chosen
 
 
@@ -146,12 +143,6 @@ def for_trainer(module: Any, hf_config: Any, cfg: Any) -> MegatronRouting | None
     per_stage = shape.num_layers // cfg.pipeline_parallel_size
     first = parallel_state.get_pipeline_model_parallel_rank() * per_stage
     return MegatronRouting(module, first, shape.num_layers, shape.moe_top_k)
-
-
-def on_policy_rows(batch: Any, version: int) -> Tensor:
-    """[B] bool: samples every trained token of which was sampled by `version` (the
-    weights the trainer holds): where agreement is measured, as in the torch trainer."""
-    return ((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
 
 
 def agreement(routing: MegatronRouting) -> dict[str, float]:

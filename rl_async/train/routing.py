@@ -54,6 +54,13 @@ def routing_grid(items: Sequence[TrainItem], length: int, layers: int, k: int,
     return grid.to(device)
 
 
+def on_policy_rows(batch: PackedBatch, version: int) -> Tensor:
+    """[B] bool: samples with trained tokens, every one of them sampled by `version` (the
+    weights the trainer holds): where both trainers measure routing agreement."""
+    return (((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
+            & batch.mask_BT.any(dim=1))
+
+
 class TrainerRouting:
     def __init__(self, model: torch.nn.Module):
         self.routing = Routing(model)
@@ -75,10 +82,9 @@ class TrainerRouting:
         these very weights), and measures the mismatch (`observe`)."""
         self.routing.measure_rows = None
         if self._measuring and batch.routing_BLMK is not None:
-            on_policy_B = (((batch.versions_BT == version) | ~batch.mask_BT).all(dim=1)
-                           & batch.mask_BT.any(dim=1))
             length = batch.routing_BLMK.shape[1]
-            self.routing.measure_rows = on_policy_B[:, None].expand(-1, length).reshape(-1)
+            self.routing.measure_rows = (on_policy_rows(batch, version)[:, None]
+                                         .expand(-1, length).reshape(-1))
         try:
             out = scorer(batch, temperature, with_entropy)
         finally:
