@@ -22,17 +22,23 @@ from __future__ import annotations
 import asyncio
 import math
 
-# The chain moves a publication in about (pieces + engines - 1) piece times: with 4 pieces
-# per engine the pipeline's fill costs a quarter of the transfer at most.
+from rl_async.state.weights import FINGERPRINT_ROW_BYTES
+
+# Staged publications travel in pieces. Along a chain they make it a pipeline: it moves a
+# publication in about (pieces + engines - 1) piece times, so with 4 pieces per engine the
+# fill costs a quarter of the transfer at most. At every engine, one chained or not, piece
+# k+1 is received while piece k is fingerprinted and its linears packed, so at least 8.
 PIECES_PER_ENGINE = 4
+MIN_PIECES = 8
 MIN_PIECE_BYTES = 1 << 18  # below this a piece's per-call cost outweighs the pipelining
 
 
 def relay_chunk_bytes(total_bytes: int, engines: int) -> int:
-    """The piece size for a chain of `engines` (0: whole buckets)."""
-    if engines < 2:
-        return 0
-    return max(MIN_PIECE_BYTES, math.ceil(total_bytes / (PIECES_PER_ENGINE * engines)))
+    """The piece size of a staged publication of `total_bytes` to `engines` engines: whole
+    fingerprint rows, so each piece's rows are summed as it lands."""
+    count = max(MIN_PIECES, PIECES_PER_ENGINE * engines)
+    size = max(MIN_PIECE_BYTES, math.ceil(total_bytes / count))
+    return -(-size // FINGERPRINT_ROW_BYTES) * FINGERPRINT_ROW_BYTES
 
 
 class FleetRelay:
@@ -111,7 +117,8 @@ class FleetRelay:
         retry = [i for i, r in results.items() if r.get("upstream_failed")]
         if retry:  # the fallback: rank 0 sends to each of them on its own channel
             again, failed_again, results_again = await self._transfer(
-                retry, metas, lambda i, channel: stage(i, channel, None, 0, False), which)
+                retry, metas, lambda i, channel: stage(i, channel, None, chunk, False), which,
+                chunk_bytes=chunk)
             failed.update(failed_again)
             results.update(results_again)
             for i in failed_again:

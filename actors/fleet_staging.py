@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
 
+from actors.fleet_relay import relay_chunk_bytes
 from rl_async.loop.faults import quote
 
 
@@ -65,8 +66,11 @@ class FleetStaging:
 
         if self.relays() and len(live) > 1:
             sent, failed, results = await self._relay_transfer(live, metas, stage, which)
-        else:
-            sent, failed, results = await self._transfer(live, metas, stage, which)
+        else:  # in pieces all the same: each engine checks one while it receives the next
+            chunk = relay_chunk_bytes(sum(m[3] for m in metas), len(live))
+            sent, failed, results = await self._transfer(
+                live, metas, lambda i, channel: stage(i, channel, None, chunk), which,
+                chunk_bytes=chunk)
         for i, cause in failed.items():
             await self.lost(i, cause)
         verified = {i: self.incarnations.get(i, 0) for i, r in results.items()
@@ -85,8 +89,12 @@ class FleetStaging:
         longest engine's pause, the aborted transfers and the engines' stage figures."""
         async with self.members_lock:
             staged, self._pending = self._pending, Staged(0)
-            pause = await self._commit_locked(version, "staged", staged)
-            await self._published(version)
+            if self.cfg.publication.verify_checksum:  # it reads the staged snapshot
+                pause = await self._commit_locked(version, "staged", staged)
+                await self._published(version)
+            else:  # trainer rank 0's side of the commit need not wait for the engines'
+                pause, _ = await asyncio.gather(self._commit_locked(version, "staged", staged),
+                                                self._published(version))
         return {"pause_seconds": pause, "aborted_transfers": staged.aborted,
                 **staged.figures}
 

@@ -7,7 +7,9 @@ with the fleet idle, alternately:
   publication: the controller's Publisher state machine over the fleet: snapshot (trainer
                rank 0 copies the weights into its buckets, fingerprints them), transfer
                (each engine receives into its staging buffers and verifies every bucket's
-               fingerprint and the model digest, then prepares its packed linears: `load`),
+               fingerprint and the model digest, packing its linears as their bytes land:
+               `load` is what is left after the last byte; the last piece's linears are
+               packed after the switch, `late_pack_seconds`, not part of the wall time),
                drain, commit (each engine switches between two steps: `pause`), resume;
   raw:         a broadcast of a preallocated flat uint8 tensor of the same total size from
                trainer rank 0 on each engine's publication channel, all at once (the
@@ -18,7 +20,8 @@ Each side is timed from the caller (one asyncio loop in a helper actor), median 
     python benchmarks/weight_publication.py --json
 prints one JSON line {"publication_seconds", "raw_broadcast_seconds", "ratio", "bytes",
 "snapshot_seconds", "transfer_seconds", "transfer_ratio", "load_seconds", "pause_seconds",
-"pause_fraction" (pause / transfer), ...}.
+"pause_fraction" (pause / transfer), "late_pack_seconds" (the packing of the last linears,
+after the switch: they run on the stock kernel meanwhile), ...}.
 """
 
 from __future__ import annotations
@@ -62,6 +65,25 @@ def _raw_release(actor) -> None:
     del actor._bench_raw
 
 
+def _late_pack(actor) -> float | None:
+    """An engine: the seconds the packing a commit left under way took (the linears whose
+    bytes came last: rl_async/engine/embedded_weights.py), None while it is still going."""
+    task = getattr(actor.engine, "_late_task", None)
+    if task is not None and not task.done():
+        return None
+    return actor.engine.stats.get("late_pack_seconds", 0.0)
+
+
+async def _packed(engines) -> float:
+    """Wait for every engine's late packing, so it is not timed as part of the raw
+    broadcast that follows; the longest one's seconds."""
+    while True:
+        done = await asyncio.gather(*(e.__ray_call__.remote(_late_pack) for e in engines))
+        if None not in done:
+            return max(done, default=0.0)
+        await asyncio.sleep(0.002)
+
+
 def _cpu(actor) -> float:
     """CPU seconds of the actor's process so far, every thread (the channel threads too)."""
     return time.process_time()
@@ -89,10 +111,12 @@ class PublicationBench:
                 t0 = time.perf_counter()
                 result = await publisher.publish(rep + 1, fleet)
                 pub.append(time.perf_counter() - t0)
-                cpu_pub.append(await _cpu_of(ranks) - c0)
+                late = await _packed(fleet.engines)
+                cpu_pub.append(await _cpu_of(ranks) - c0)  # the late packing's work too
                 nbytes = result.bytes
                 metrics = result.metrics()
                 parts.append({k: metrics[f"publish/{k}"] for k in PARTS})
+                parts[-1]["late_pack_seconds"] = late
                 await asyncio.gather(*(r.__ray_call__.remote(_raw_prepare, nbytes) for r in ranks))
                 c0 = await _cpu_of(ranks)
                 t0 = time.perf_counter()
@@ -112,7 +136,7 @@ class PublicationBench:
         return {"publication": pub, "raw": raw, "raw_inner": inner, "bytes": nbytes,
                 "cpu_publication": cpu_pub, "cpu_raw": cpu_raw,
                 "buckets": -(-nbytes // cfg.publication.bucket_bytes),
-                **{k: [p[k] for p in parts] for k in PARTS}}
+                **{k: [p[k] for p in parts] for k in (*PARTS, "late_pack_seconds")}}
 
 
 def main() -> None:
@@ -142,12 +166,13 @@ def main() -> None:
     finally:
         ray.shutdown()
     med = {k: statistics.median(out[k]) for k in ("publication", "raw", "raw_inner",
-                                                  "cpu_publication", "cpu_raw", *PARTS)}
+                                                  "cpu_publication", "cpu_raw", *PARTS,
+                                                  "late_pack_seconds")}
     line = {"publication_seconds": round(med["publication"], 4),
             "raw_broadcast_seconds": round(med["raw"], 4),
             "ratio": round(med["publication"] / med["raw"], 3),
             "bytes": out["bytes"], "megabytes": round(out["bytes"] / 2**20, 1),
-            **{k: round(med[k], 4) for k in PARTS},
+            **{k: round(med[k], 4) for k in (*PARTS, "late_pack_seconds")},
             "transfer_ratio": round(med["transfer_seconds"] / med["raw"], 3),
             "pause_fraction": round(med["pause_seconds"] / med["transfer_seconds"], 4),
             "raw_in_process_seconds": round(med["raw_inner"], 4),

@@ -124,11 +124,18 @@ class PackedLinears:
                 out.update({id(m): packed for m in modules})
         return out
 
-    def install(self, packed: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    def install(self, packed: dict[int, torch.Tensor], changed: set[int] = frozenset()
+                ) -> list[torch.Tensor]:
         """Serve from `packed` (from pack()) from the next call on (under the step lock).
-        Returns the replaced packed weights: the caller frees them after the lock, so the
-        pause does not include returning their memory."""
+        The linears whose weight (by id) is in `changed` but that `packed` lacks run on the
+        stock kernel over their (new) weight until packed copies are installed: never on
+        a packed copy of the old one. Returns the replaced packed weights: the caller frees
+        them after the lock, so the pause does not include returning their memory."""
         old = [self._packed[k] for k in packed if k in self._packed]
+        for weight in changed:
+            for m in self.by_weight.get(weight, []):
+                if id(m) not in packed and id(m) in self._packed:
+                    old.append(self._packed.pop(id(m)))
         self._packed.update(packed)
         return old
 
@@ -136,9 +143,12 @@ class PackedLinears:
         def forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if torch.is_grad_enabled() and (x.requires_grad or module.weight.requires_grad):
                 return F.linear(x, module.weight, module.bias)
-            # looked up per call: refresh() swaps in the weights of the newest load
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed[key], module.bias,
-                                                      "none", [], "")
+            # looked up per call: refresh() and install() swap in the newest weights; none
+            # while a commit's packing is still under way (the stock kernel meanwhile)
+            packed = self._packed.get(key)
+            if packed is None:
+                return F.linear(x, module.weight, module.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, module.bias, "none", [], "")
         return forward
 
     def check(self) -> None:

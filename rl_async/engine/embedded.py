@@ -116,6 +116,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         (running requests are retracted by the caller)."""
         self.prefix_cache.clear()
         if self._linears is not None:
+            self._late_pack = None  # a staged commit's packing still under way: superseded
             self._linears.refresh()
 
     # ---------------------------------------------------------------- requests
@@ -274,6 +275,8 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             self.scheduler.waiting.clear()
             self._batch = None
             self._fail(doomed, EngineError("engine closed while the request was in flight"))
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=False)
 
     def _ensure_loop(self) -> None:
         if self._closed:

@@ -8,14 +8,19 @@ A mixin of `EmbeddedEngine` (split out to keep files small). A publication is a 
                      of), its fingerprint taken (rl_async.state.weights.bucket_fingerprint)
                      and compared with the trainer's, the whole model's digest compared with
                      the snapshot's, and what the next weights need before they serve (the
-                     oneDNN packing of the linears) prepared. Bucket i+1 is received while
-                     bucket i is checked and packed. Generation goes on under the old weights
-                     meanwhile; nothing it reads is touched.
+                     oneDNN packing of the linears) prepared. Buckets arrive in pieces
+                     (`chunk_bytes`): piece k+1 is received while piece k's rows are
+                     fingerprinted and the linears it completed are packed, so only the
+                     last piece's rows are left once the last byte lands (its linears are
+                     packed after the switch: see commit_weights). Generation goes on under
+                     the old weights meanwhile; nothing it reads is touched.
     commit_weights   the switch, under the step lock (between two steps): the parameters
                      become views of the staged buffers, the packed linears are swapped in,
                      the version is set, the prompt cache emptied and running requests
                      retracted. Only this is a pause, and it copies nothing. A step after it
-                     samples, and stamps, with the new version.
+                     samples, and stamps, with the new version. Linears whose packing is
+                     still under way run on torch's stock kernel over the new weights until
+                     it is installed between two later steps.
 
 Until commit the engine serves its committed version; a transfer that fails or does not
 verify is simply never committed (the next stage overwrites it). Two buffers per bucket
@@ -29,7 +34,9 @@ arrived.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +44,9 @@ import torch
 from rl_async.state import collective
 from rl_async.engine.base import EngineError
 from rl_async.engine.relay import Forwarder, pieces
-from rl_async.state.weights import (bucket_fingerprint, bucket_nbytes, model_digest,
-                                    unflatten_bucket)
+from rl_async.state.weights import Fingerprint, bucket_nbytes, model_digest, unflatten_bucket
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,6 +56,60 @@ class _Staged:
     digest: str
     buckets: list[tuple[tuple[str, ...], int, list]] = field(default_factory=list)
     packed: dict = field(default_factory=dict)  # oneDNN-packed linears of the new weights
+    # the packing of the linears whose bytes came last, still under way (see commit_weights)
+    late: asyncio.Future | None = None
+
+
+class _BucketCheck:
+    """One staged bucket's checks, run on the engine's checking thread as its pieces land:
+    its tensors named and shaped like the model's (before any byte arrives), its
+    fingerprint row by row, each linear packed once its bytes are all in, and at the end
+    the fingerprint against the trainer's. A bucket that fails any of them is never
+    committed (its packed copies are dropped with the staging)."""
+
+    def __init__(self, engine, staged: _Staged, i: int, count: int, flat: torch.Tensor,
+                 meta: tuple, want: str):
+        self.engine, self.staged, self.i, self.want = engine, staged, i, want
+        self.where = f"bucket {i + 1}/{count}"
+        self.fingerprint = Fingerprint(flat)
+        self.error: str | None = None
+        self.named: list = []
+        try:
+            engine._check_names(meta[0], meta[2])
+            self.named = unflatten_bucket(flat, *meta)
+        except EngineError as exc:
+            self.error = f"{self.where}: {exc}"
+        base = flat.data_ptr()
+        self.ends = [t.data_ptr() - base + t.numel() * t.element_size() for _, t in self.named]
+        self.packed = 0  # tensors of `named` packed so far
+
+    def landed(self, upto: int, pack: bool = True) -> None:
+        """Bytes [0, upto) of the bucket are in: fingerprint them, and pack (`pack`) the
+        linears they complete."""
+        self.fingerprint.advance(upto)
+        if pack:
+            self.staged.packed.update(self.pack_rest(upto))
+
+    def pack_rest(self, upto: int | None = None) -> dict:
+        """Pack the linears complete in bytes [0, upto) (all by default) not packed yet."""
+        done = self.packed
+        while self.packed < len(self.named) and (upto is None or self.ends[self.packed] <= upto):
+            self.packed += 1
+        linears = self.engine._linears
+        if linears is None or self.error is not None or self.packed == done:
+            return {}
+        params = self.engine._params
+        return linears.pack([(params[n], t) for n, t in self.named[done:self.packed]])
+
+    def finish(self) -> tuple[str | None, str]:
+        """(error or None, the bucket's fingerprint), once every piece landed."""
+        got = self.fingerprint.hexdigest()
+        if self.error is None and got != self.want:
+            self.error = (f"{self.where}: fingerprint {got[:12]} is not the trainer's "
+                          f"{self.want[:12]} (corrupted in transit)")
+        if self.error is None:
+            self.staged.buckets[self.i][2].extend(self.named)
+        return self.error, got
 
 
 class EngineWeightsMixin:
@@ -64,6 +126,9 @@ class EngineWeightsMixin:
         self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_fault)
         self._joined: set[str] = set()  # publication channels and links joined
         self._relay_stores: dict = {}  # relay links opened (hosted), not yet joined
+        self._check_pool: ThreadPoolExecutor | None = None  # stage_weights' checking thread
+        self._late_pack: asyncio.Future | None = None  # a commit's packing under way
+        self._late_task: asyncio.Task | None = None  # installs it when done
 
     async def init_weights_update_group(self, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
@@ -130,18 +195,25 @@ class EngineWeightsMixin:
                 slot, flat = self._staging_buffer(tuple(names), bucket_nbytes(dtypes, shapes))
                 if "before_bucket" in self.debug_faults:
                     self.debug_faults["before_bucket"](i)
-                for piece in pieces(flat, chunk_bytes):
+                staged.buckets.append((tuple(names), slot, []))
+                check = _BucketCheck(self, staged, i, count, flat, (names, dtypes, shapes),
+                                     fingerprints[i])
+                landed, cut = 0, pieces(flat, chunk_bytes)
+                for k, piece in enumerate(cut):
                     await asyncio.to_thread(torch.distributed.broadcast, piece, group=source,
                                             group_src=0)
+                    if landed == 0 and self.debug_faults.get("corrupt_bucket") == i:
+                        del self.debug_faults["corrupt_bucket"]
+                        flat[0] ^= 0xFF  # as a bit flip in transit would
                     forwarder.send(piece)
-                if self.debug_faults.get("corrupt_bucket") == i:
-                    del self.debug_faults["corrupt_bucket"]
-                    flat[0] ^= 0xFF  # as a bit flip in transit would
-                staged.buckets.append((tuple(names), slot, []))
-                # checked and packed beside the next bucket's receive
-                checks.append(asyncio.ensure_future(asyncio.to_thread(
-                    self._check_bucket, staged, i, count, flat, (names, dtypes, shapes),
-                    fingerprints[i])))
+                    landed += piece.numel()
+                    # fingerprinted and packed beside the next piece's receive, in order;
+                    # the very last piece's linears are packed after the check (commit)
+                    last = i == count - 1 and k == len(cut) - 1
+                    checks.append(self._in_check_thread(check.landed, landed, not last))
+                checks.append(self._in_check_thread(check.finish))
+            if self._linears is not None and count:
+                staged.late = self._in_check_thread(check.pack_rest)
         except Exception as exc:
             if not relayed:
                 raise  # the trainer's channel: the fleet hears of it from both ends
@@ -151,7 +223,7 @@ class EngineWeightsMixin:
                              f"{type(exc).__name__}: {exc}", "forward_error": None,
                     "receive_seconds": time.perf_counter() - start, "load_seconds": 0.0}
         received = time.perf_counter()
-        results = await asyncio.gather(*checks)
+        results = [r for r in await asyncio.gather(*checks) if r is not None]
         forward_error = await forwarder.finish()
         errors = [e for e, _ in results if e]
         got = model_digest(buckets, [fp for _, fp in results])
@@ -181,23 +253,12 @@ class EngineWeightsMixin:
                                 name, timeout_s, store=store)
         self._joined.add(name)
 
-    def _check_bucket(self, staged: _Staged, i: int, count: int, flat: torch.Tensor,
-                      meta: tuple, want: str) -> tuple[str | None, str]:
-        """In a worker thread: bucket i's fingerprint against the trainer's, its tensors
-        named and shaped like the model's, and its linears packed. (error or None, fp)."""
-        got = bucket_fingerprint(flat)
-        if got != want:
-            return (f"bucket {i + 1}/{count}: fingerprint {got[:12]} is not the trainer's "
-                    f"{want[:12]} (corrupted in transit)"), got
-        try:
-            self._check_names(meta[0], meta[2])
-        except EngineError as exc:
-            return f"bucket {i + 1}/{count}: {exc}", got
-        named = unflatten_bucket(flat, *meta)
-        staged.buckets[i][2].extend(named)
-        if self._linears is not None:
-            staged.packed.update(self._linears.pack([(self._params[n], t) for n, t in named]))
-        return None, got
+    def _in_check_thread(self, fn, *args) -> asyncio.Future:
+        """Run fn(*args) on the engine's one checking thread: the pieces of a publication
+        are fingerprinted and packed in the order they landed, off the event loop."""
+        if self._check_pool is None:
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="stage-check")
+        return asyncio.get_running_loop().run_in_executor(self._check_pool, fn, *args)
 
     async def commit_weights(self, version: int) -> dict:
         """The switch to the verified staged `version` (module docstring); returns the
@@ -215,19 +276,53 @@ class EngineWeightsMixin:
                                   f"a version is committed only after stage_weights "
                                   f"verified it")
             staged, self._staged = self._staged, None
+            changed: set[int] = set()  # the parameters whose weights change
             with torch.no_grad():
                 for key, slot, named in staged.buckets:
                     for name, tensor in named:
                         replaced.append(self._install(name, tensor))
+                        changed.add(id(self._params[name]))
                     self._live[key] = slot
             if self._linears is not None:
-                replaced += self._linears.install(staged.packed)
+                replaced += self._commit_packed(staged, changed)
             self._version = version
             self.committed_digest = staged.digest
             self._forget_old_kv()
             pause = time.perf_counter() - begun
         del replaced
         return {"pause_seconds": pause}
+
+    def _commit_packed(self, staged: _Staged, changed: set[int]) -> list:
+        """Install the packed linears of the new weights (under the step lock). The ones
+        whose bytes came last may still be packing (`staged.late`): rather than hold the
+        new version back for them, those linears run on the stock kernel over their new
+        weights until their packed copies are installed between two later steps (never a
+        packed copy of old weights: LESSONS miles#2782)."""
+        late = staged.late
+        if late is not None and late.done():
+            if late.exception() is None:
+                staged.packed.update(late.result())
+            late = None
+        self._late_pack = late
+        if late is not None:
+            self._late_task = asyncio.ensure_future(self._install_late(late))
+        return self._linears.install(staged.packed, changed)
+
+    async def _install_late(self, late: asyncio.Future) -> None:
+        begun = time.perf_counter()
+        try:
+            packed = await late
+        except Exception:  # noqa: BLE001 -- those linears stay on the stock kernel
+            logger.exception("packing the committed weights' last linears failed; they run "
+                             "on torch's stock kernel until the next weight update")
+            return
+        async with self._guard():
+            if self._late_pack is not late:
+                return  # superseded by a newer commit or load (which packs its own)
+            self._late_pack = None
+            replaced = self._linears.install(packed)
+        self.stats["late_pack_seconds"] = time.perf_counter() - begun
+        del replaced
 
     def _forget_old_kv(self) -> None:
         """No KV computed under the old weights serves again: the prompt cache is emptied

@@ -144,6 +144,7 @@ def weights_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 # Words per row of a bucket fingerprint (8 KiB rows): one int64 sum per row.
 FINGERPRINT_ROW_WORDS = 1024
+FINGERPRINT_ROW_BYTES = FINGERPRINT_ROW_WORDS * 8
 
 
 def bucket_fingerprint(flat: torch.Tensor) -> str:
@@ -155,23 +156,49 @@ def bucket_fingerprint(flat: torch.Tensor) -> str:
     It changes when any 8-byte word changes, when bytes shift or go missing, and when any
     row holds other bytes (a stale or half-written region); it does not see words swapped
     within one row, nor changes that cancel out within a row: a check against transport and
-    buffer faults, not a cryptographic hash of the weights (`weights_checksum` is that)."""
-    if flat.dtype != torch.uint8 or flat.dim() != 1:
-        raise ValueError(f"bucket_fingerprint: a flat uint8 tensor, got {flat.dtype} "
-                         f"{list(flat.shape)}")
-    n = flat.numel()
-    whole = n // 8 * 8
-    words = flat[:whole]
-    if whole and words.data_ptr() % 8:
-        words = words.clone()  # an int64 view needs 8-byte alignment
-    words = words.view(torch.int64)
-    rows = words.numel() // FINGERPRINT_ROW_WORDS
-    main = words[:rows * FINGERPRINT_ROW_WORDS].view(rows, FINGERPRINT_ROW_WORDS)
-    sums = torch.cat([main.sum(1), words[rows * FINGERPRINT_ROW_WORDS:].sum().reshape(1)])
-    digest = hashlib.sha256(f"{n}|".encode())
-    digest.update(sums.cpu().numpy().tobytes())
-    digest.update(flat[whole:].cpu().numpy().tobytes())
-    return digest.hexdigest()
+    buffer faults, not a cryptographic hash of the weights (`weights_checksum` is that).
+    `Fingerprint` takes the same one a piece at a time, as the bytes land."""
+    return Fingerprint(flat).hexdigest()
+
+
+class Fingerprint:
+    """`bucket_fingerprint` of a bucket that arrives in order: `advance(upto)` sums the
+    whole rows of the bytes landed so far (a receiver does it beside the next piece's
+    receive), `hexdigest()` the rest. The same digest however the bytes were cut."""
+
+    def __init__(self, flat: torch.Tensor):
+        if flat.dtype != torch.uint8 or flat.dim() != 1:
+            raise ValueError(f"bucket_fingerprint: a flat uint8 tensor, got {flat.dtype} "
+                             f"{list(flat.shape)}")
+        self.flat = flat
+        self.whole = flat.numel() // 8 * 8  # the bytes that form int64 words
+        self.done = 0  # bytes summed: always a whole number of rows
+        self.sums: list[torch.Tensor] = []
+
+    def advance(self, upto: int) -> None:
+        """Bytes [0, upto) have landed: sum the whole rows among them not summed yet."""
+        if self.flat.data_ptr() % 8 or self.flat.storage_offset() % 8:
+            return  # an int64 view needs 8-byte alignment: hexdigest copies, once
+        rows = (min(upto, self.whole) - self.done) // FINGERPRINT_ROW_BYTES
+        if rows > 0:
+            end = self.done + rows * FINGERPRINT_ROW_BYTES
+            words = self.flat[self.done:end].view(torch.int64)
+            self.sums.append(words.view(rows, FINGERPRINT_ROW_WORDS).sum(1))
+            self.done = end
+
+    def hexdigest(self) -> str:
+        words = self.flat[self.done:self.whole]
+        if words.data_ptr() % 8 or words.storage_offset() % 8:
+            words = words.clone()
+        words = words.view(torch.int64)
+        rows = words.numel() // FINGERPRINT_ROW_WORDS
+        main = words[:rows * FINGERPRINT_ROW_WORDS].view(rows, FINGERPRINT_ROW_WORDS)
+        sums = torch.cat([*self.sums, main.sum(1),
+                          words[rows * FINGERPRINT_ROW_WORDS:].sum().reshape(1)])
+        digest = hashlib.sha256(f"{self.flat.numel()}|".encode())
+        digest.update(sums.cpu().numpy().tobytes())
+        digest.update(self.flat[self.whole:].cpu().numpy().tobytes())
+        return digest.hexdigest()
 
 
 def model_digest(metas: Iterable[tuple], fingerprints: Iterable[str]) -> str:

@@ -24,11 +24,11 @@ class Call:
         self.remote = fn
 
 
-async def forever(*_args):
+async def forever(*_args, **_kwargs):
     await asyncio.Event().wait()
 
 
-async def nothing(*_args):
+async def nothing(*_args, **_kwargs):
     return None
 
 
