@@ -173,10 +173,14 @@ class FleetPublication(FleetStaging, FleetRelay, FleetScale):
         flat = self.cfg.engine.backend == "embedded"
         bucket_bytes = self.cfg.publication.bucket_bytes
         ranks = self._collective_ranks()
-        self._metas = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat)
-                                              for t in ranks)))[0]
-        if self.stages_weights:  # what each engine checks before it may commit
-            self._checks = await self.trainers[0].snapshot_fingerprints.remote("staged")
+        checks = self.stages_weights  # and what each engine checks before it may commit
+        first = (await asyncio.gather(*(t.prepare_publication.remote(bucket_bytes, flat, checks)
+                                        for t in ranks)))[0]
+        if checks:
+            self._metas, *fingerprints = first
+            self._checks = tuple(fingerprints)
+        else:
+            self._metas = first
 
     async def send(self, version: int, progress: BucketProgress | None = None) -> int:
         """Send the staged snapshot to every live engine. Staging engines receive and verify

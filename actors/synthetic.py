@@ -74,9 +74,10 @@ class SyntheticTrainerWorker:
     def channels(self) -> list[str]:
         return sorted(self._channels)
 
-    def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
+    def prepare_publication(self, bucket_bytes: int, flat: bool, checks: bool = False):
         self._metas = self.trainer.publication_metas(bucket_bytes)
-        return self._metas if self.rank == 0 else []
+        metas = self._metas if self.rank == 0 else []
+        return (metas, [], "") if checks else metas  # no bytes: nothing to fingerprint
 
     def send_publication(self, names: list[str], which: str, timeout_s: float,
                          total_s: float | None = None) -> tuple[int, dict[str, str]]:

@@ -165,17 +165,20 @@ class TrainerWorker:
     def channels(self) -> list[str]:
         return self.sender.channels() if self.rank == 0 else []
 
-    def prepare_publication(self, bucket_bytes: int, flat: bool) -> list[tuple]:
+    def prepare_publication(self, bucket_bytes: int, flat: bool, checks: bool = False):
         """Stage a snapshot of the weights; returns each bucket's (names, dtypes, shapes,
         bytes). `flat`: one flattened tensor per bucket (embedded engines); otherwise one
-        broadcast per tensor, in order (SGLang's per-tensor receive loop)."""
+        broadcast per tensor, in order (SGLang's per-tensor receive loop). `checks`: return
+        (metas, fingerprints, digest), what a staging engine checks before it may commit
+        (snapshot_fingerprints), in the same call."""
         named = self._hf_tensors()
         if named is None:
-            return []
+            return ([], [], "") if checks else []
         # fp32 master weights train; engines serve model.dtype, so that is what travels
         # (bf16 halves the bytes) and what the engines' checksum is compared with.
-        return self.sender.stage(named, resolve_dtype(self.cfg.model.dtype), bucket_bytes,
-                                 flat, checksum=self.cfg.publication.verify_checksum)
+        metas = self.sender.stage(named, resolve_dtype(self.cfg.model.dtype), bucket_bytes,
+                                  flat, checksum=self.cfg.publication.verify_checksum)
+        return (metas, *self.snapshot_fingerprints("staged")) if checks else metas
 
     def send_publication(self, names: list[str], which: str, timeout_s: float,
                          total_s: float | None = None, chunk_bytes: int = 0

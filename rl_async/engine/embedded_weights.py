@@ -264,7 +264,7 @@ class EngineWeightsMixin:
         """The switch to the verified staged `version` (module docstring); returns the
         seconds no step could run ({"pause_seconds"}). Committing the version already held
         is a no-op (a retried commit)."""
-        replaced: list = []  # the old weights' memory, released after the pause
+        replaced: list = []  # the old weights' memory, released after the pause and reply
         async with self._guard():
             begun = time.perf_counter()
             if self._staged is None or self._staged.version != version:
@@ -289,7 +289,8 @@ class EngineWeightsMixin:
             self.committed_digest = staged.digest
             self._forget_old_kv()
             pause = time.perf_counter() - begun
-        del replaced
+        # returning the old packed copies' memory (tens of MB) is not the caller's wait
+        self._in_check_thread(replaced.clear)
         return {"pause_seconds": pause}
 
     def _commit_packed(self, staged: _Staged, changed: set[int]) -> list:
