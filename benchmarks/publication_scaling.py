@@ -9,8 +9,10 @@ wall time; and the bytes trainer rank 0 sent per publication.
 
     python benchmarks/publication_scaling.py --json
 prints one JSON line {"engines": [1, 2, 4, 8], "chain": {"seconds": [...], "rank0_bytes":
-[...]}, "off": {...}, "ratio_last_to_1": {"chain": r, "off": r} (8 engines against 1),
-"bytes", ...}.
+[...], "rank0_cpu": [...], "engine_cpu": [...]}, "off": {...}, "ratio_last_to_1":
+{"chain": r, "off": r} (8 engines against 1), "cpu_ratio_last_to_1", "bytes", ...}.
+rank0_cpu is trainer rank 0's CPU seconds per publication, engine_cpu the busiest engine's:
+the work that bounds the time where each engine has its own cores and link.
 
 What a 2-core machine can and cannot show: every engine, link and the trainer share two
 cores and one memory bus, so a chain cannot move bytes faster than rank 0 alone (each byte
@@ -30,8 +32,13 @@ import time
 
 from _common import init_ray, load_checked, started_fleet  # noqa: I001  (sys.path first)
 from _smoke import parse_with_smoke  # noqa: E402
+from weight_publication import _cpu, _packed  # noqa: E402
 
 import ray
+
+
+async def _cpu_each(actors) -> list[float]:
+    return list(await asyncio.gather(*(a.__ray_call__.remote(_cpu) for a in actors)))
 
 
 @ray.remote(num_cpus=0)
@@ -39,12 +46,17 @@ class ScalingBench:
     async def run(self, cfg, plan, reps: int) -> dict:
         fleet, publisher = await started_fleet(cfg, plan)
         try:
-            seconds, sent, nbytes = [], [], 0
+            seconds, sent, nbytes, rank0_cpu, engine_cpu = [], [], 0, [], []
             for rep in range(reps):
                 before = await fleet.trainers[0].publication_bytes_sent.remote()
+                cpu0 = await _cpu_each([fleet.trainers[0], *fleet.engines])
                 t0 = time.perf_counter()
                 result = await publisher.publish(rep + 1, fleet)
                 seconds.append(time.perf_counter() - t0)
+                await _packed(fleet.engines)  # its CPU counted, and not in the next rep
+                cpu1 = await _cpu_each([fleet.trainers[0], *fleet.engines])
+                rank0_cpu.append(cpu1[0] - cpu0[0])
+                engine_cpu.append(max(b - a for a, b in zip(cpu0[1:], cpu1[1:])))
                 sent.append(await fleet.trainers[0].publication_bytes_sent.remote() - before)
                 nbytes = result.bytes
                 assert result.aborted_transfers == 0, result
@@ -53,7 +65,8 @@ class ScalingBench:
             assert got == [want] * len(got), "an engine does not hold the published weights"
         finally:
             await fleet.shutdown()
-        return {"seconds": seconds, "rank0_bytes": sent, "bytes": nbytes}
+        return {"seconds": seconds, "rank0_bytes": sent, "bytes": nbytes,
+                "rank0_cpu": rank0_cpu, "engine_cpu": engine_cpu}
 
 
 def main() -> None:
@@ -91,14 +104,18 @@ def main() -> None:
                     *args.set])
                 runs.append(ray.get(ScalingBench.remote().run.remote(cfg, report.plan,
                                                                       args.reps)))
-            out[mode] = {"seconds": [round(statistics.median(r["seconds"]), 4) for r in runs],
-                         "rank0_bytes": [int(statistics.median(r["rank0_bytes"]))
-                                         for r in runs]}
+            out[mode] = {key: [round(statistics.median(r[key]), 4) for r in runs]
+                         for key in ("seconds", "rank0_cpu", "engine_cpu")}
+            out[mode]["rank0_bytes"] = [int(statistics.median(r["rank0_bytes"])) for r in runs]
             out["bytes"] = runs[0]["bytes"]
     finally:
         ray.shutdown()
     out["ratio_last_to_1"] = {m: round(out[m]["seconds"][-1] / out[m]["seconds"][0], 3)
                               for m in modes}
+    # the work that bounds a publication where engines do not share cores: rank 0's, and
+    # the busiest engine's (each receives, forwards, checks and packs one model)
+    out["cpu_ratio_last_to_1"] = {m: {k: round(out[m][k][-1] / out[m][k][0], 3)
+                                      for k in ("rank0_cpu", "engine_cpu")} for m in modes}
     out["megabytes"] = round(out["bytes"] / 2**20, 1)
     out["reps"] = args.reps
     print(json.dumps(out), flush=True)
