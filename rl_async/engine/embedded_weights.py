@@ -37,79 +37,16 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from rl_async.state import collective
 from rl_async.engine.base import EngineError
 from rl_async.engine.relay import Forwarder, pieces
-from rl_async.state.weights import Fingerprint, bucket_nbytes, model_digest, unflatten_bucket
+from rl_async.engine.staged import BucketCheck, Staged
+from rl_async.state.weights import bucket_nbytes, model_digest, unflatten_bucket
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Staged:
-    """One staged publication: what commit_weights installs."""
-    version: int
-    digest: str
-    buckets: list[tuple[tuple[str, ...], int, list]] = field(default_factory=list)
-    packed: dict = field(default_factory=dict)  # oneDNN-packed linears of the new weights
-    # the packing of the linears whose bytes came last, still under way (see commit_weights)
-    late: asyncio.Future | None = None
-
-
-class _BucketCheck:
-    """One staged bucket's checks, run on the engine's checking thread as its pieces land:
-    its tensors named and shaped like the model's (before any byte arrives), its
-    fingerprint row by row, each linear packed once its bytes are all in, and at the end
-    the fingerprint against the trainer's. A bucket that fails any of them is never
-    committed (its packed copies are dropped with the staging)."""
-
-    def __init__(self, engine, staged: _Staged, i: int, count: int, flat: torch.Tensor,
-                 meta: tuple, want: str):
-        self.engine, self.staged, self.i, self.want = engine, staged, i, want
-        self.where = f"bucket {i + 1}/{count}"
-        self.fingerprint = Fingerprint(flat)
-        self.error: str | None = None
-        self.named: list = []
-        try:
-            engine._check_names(meta[0], meta[2])
-            self.named = unflatten_bucket(flat, *meta)
-        except EngineError as exc:
-            self.error = f"{self.where}: {exc}"
-        base = flat.data_ptr()
-        self.ends = [t.data_ptr() - base + t.numel() * t.element_size() for _, t in self.named]
-        self.packed = 0  # tensors of `named` packed so far
-
-    def landed(self, upto: int, pack: bool = True) -> None:
-        """Bytes [0, upto) of the bucket are in: fingerprint them, and pack (`pack`) the
-        linears they complete."""
-        self.fingerprint.advance(upto)
-        if pack:
-            self.staged.packed.update(self.pack_rest(upto))
-
-    def pack_rest(self, upto: int | None = None) -> dict:
-        """Pack the linears complete in bytes [0, upto) (all by default) not packed yet."""
-        done = self.packed
-        while self.packed < len(self.named) and (upto is None or self.ends[self.packed] <= upto):
-            self.packed += 1
-        linears = self.engine._linears
-        if linears is None or self.error is not None or self.packed == done:
-            return {}
-        params = self.engine._params
-        return linears.pack([(params[n], t) for n, t in self.named[done:self.packed]])
-
-    def finish(self) -> tuple[str | None, str]:
-        """(error or None, the bucket's fingerprint), once every piece landed."""
-        got = self.fingerprint.hexdigest()
-        if self.error is None and got != self.want:
-            self.error = (f"{self.where}: fingerprint {got[:12]} is not the trainer's "
-                          f"{self.want[:12]} (corrupted in transit)")
-        if self.error is None:
-            self.staged.buckets[self.i][2].extend(self.named)
-        return self.error, got
 
 
 class EngineWeightsMixin:
@@ -121,7 +58,7 @@ class EngineWeightsMixin:
         # publication waits in the other until commit.
         self._slots: dict[tuple[str, ...], list[torch.Tensor]] = {}
         self._live: dict[tuple[str, ...], int] = {}
-        self._staged: _Staged | None = None
+        self._staged: Staged | None = None
         self.committed_digest: str | None = None  # model digest of the committed version
         self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_fault)
         self._joined: set[str] = set()  # publication channels and links joined
@@ -188,7 +125,7 @@ class EngineWeightsMixin:
             self._group(forward, "stage_weights (relay link)")  # joined, or a clear error
         forwarder = Forwarder(forward)
         count, start = len(buckets), time.perf_counter()
-        staged = _Staged(version, digest)
+        staged = Staged(version, digest)
         checks: list[asyncio.Future] = []
         try:
             for i, (names, dtypes, shapes, *_rest) in enumerate(buckets):
@@ -196,7 +133,7 @@ class EngineWeightsMixin:
                 if "before_bucket" in self.debug_faults:
                     self.debug_faults["before_bucket"](i)
                 staged.buckets.append((tuple(names), slot, []))
-                check = _BucketCheck(self, staged, i, count, flat, (names, dtypes, shapes),
+                check = BucketCheck(self, staged, i, count, flat, (names, dtypes, shapes),
                                      fingerprints[i])
                 landed, cut = 0, pieces(flat, chunk_bytes)
                 for k, piece in enumerate(cut):
@@ -293,7 +230,7 @@ class EngineWeightsMixin:
         self._in_check_thread(replaced.clear)
         return {"pause_seconds": pause}
 
-    def _commit_packed(self, staged: _Staged, changed: set[int]) -> list:
+    def _commit_packed(self, staged: Staged, changed: set[int]) -> list:
         """Install the packed linears of the new weights (under the step lock). The ones
         whose bytes came last may still be packing (`staged.late`): rather than hold the
         new version back for them, those linears run on the stock kernel over their new

@@ -313,7 +313,8 @@ class PublicationSection(Section):
     # How a publication reaches several staging (embedded) engines: "chain" (trainer rank 0
     # sends once, each engine forwards to the next while receiving: rl_async/engine/relay.py)
     # or "off" (rank 0 sends to every engine itself). SGLang engines are always sent to
-    # directly.
+    # directly. Where the engines share one machine's cores and nothing crosses a network,
+    # "off" is faster (docs/benchmarks.md, publication at fleet size).
     relay: Literal["chain", "off"] = "chain"
     verify_checksum: bool = False
     # Deadline for one whole publication (snapshot to resume): a hung publication fails the

@@ -339,7 +339,8 @@ KEYS: dict[str, Doc] = {
     "publication.relay": Doc("`chain`: trainer rank 0 sends each publication once and every "
                              "embedded engine forwards it to the next while receiving (a "
                              "failed engine's followers get a direct send); `off`: rank 0 "
-                             "sends to every engine", rule="SGLang engines: always direct"),
+                             "sends to every engine (faster where the engines share one "
+                             "machine's cores)", rule="SGLang engines: always direct"),
     "publication.verify_checksum": Doc("check every engine holds exactly the sent weights "
                                        "(slow)", rule="embedded engines only"),
     "publication.timeout_s": Doc("deadline of one whole publication (snapshot to resume)",
