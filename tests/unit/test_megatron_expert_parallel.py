@@ -106,8 +106,9 @@ def test_two_ranks_split_the_experts_and_match_hf(tmp_path):
     assert exported.keys() == state.keys()
     assert all(torch.equal(exported[k], state[k]) for k in state)
 
-    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics, groups,
-                                       run_config, torch_trainer, with_routes)
+    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics,
+                                       assert_same_weights, groups, run_config,
+                                       torch_trainer, with_routes)
 
     ref = torch_trainer(run_config(hf=MOE, global_batch_size=8), routing_replay=True)
     trained = results[0]["trained"]
@@ -117,8 +118,7 @@ def test_two_ranks_split_the_experts_and_match_hf(tmp_path):
         assert_same_metrics(got, want)
         for key in ROUTING_COUNTS:  # summed over the two data-parallel ranks
             assert got[key] == want[key], key
-    for name, p in ref.named_tensors_for_publication():
-        torch.testing.assert_close(trained["weights"][name], p, rtol=1e-4, atol=1e-4)
+    assert_same_weights(trained["weights"], ref.named_tensors_for_publication())
 
 
 def _pp_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -152,8 +152,9 @@ def _pp_worker(rank: int, world: int, port: int, out: str) -> None:
 def test_two_pipeline_stages_replay_their_own_layers(tmp_path):
     """PP 2: each stage forces its own MoE layer's experts from the grid of all layers."""
     pytest.importorskip("megatron.core")
-    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics, groups,
-                                       run_config, torch_trainer, with_routes)
+    from test_megatron_trainer import (MOE, ROUTING_COUNTS, assert_same_metrics,
+                                       assert_same_weights, groups, run_config,
+                                       torch_trainer, with_routes)
 
     mp.spawn(_pp_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"pp{r}.pt") for r in range(2)]
@@ -164,5 +165,4 @@ def test_two_pipeline_stages_replay_their_own_layers(tmp_path):
         want = ref.train_collection(with_routes(groups(seed, version), seed), version)
         assert_same_metrics(got, want)
         assert all(got[k] == want[k] for k in ROUTING_COUNTS)
-    for name, p in ref.named_tensors_for_publication():
-        torch.testing.assert_close(results[0]["weights"][name], p, rtol=1e-4, atol=1e-4)
+    assert_same_weights(results[0]["weights"], ref.named_tensors_for_publication())

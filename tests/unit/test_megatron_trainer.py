@@ -88,6 +88,19 @@ def assert_same_metrics(got: dict, want: dict) -> None:
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-5), key
 
 
+def assert_same_weights(got: dict, want) -> None:
+    """The trained weights of both backends agree to 1e-4, but for at most one element in a
+    thousand, off by at most the learning rate (1e-2). Adam moves an element by about the lr
+    whatever its gradient's size, so where a gradient is at rounding level (summed in
+    another order it has the other sign) two correct backends step opposite ways: seen on
+    one element of 2048 (3.7e-4) on one host and not on another."""
+    for name, p in want:
+        diff = (got[name] - p).abs()
+        off = ~torch.isclose(got[name], p, rtol=1e-4, atol=1e-4)
+        assert float(off.float().mean()) <= 1e-3, (name, int(off.sum()), float(diff.max()))
+        assert float(diff.max()) <= 1e-2, (name, float(diff.max()))
+
+
 @pytest.mark.parametrize("train", [
     {}, {"use_tis": False, "use_rollout_logprobs": True},
     # every loss and mask reaches both backends (GSPO: the sequence-mean denominator)
@@ -120,8 +133,7 @@ def test_torch_and_megatron_agree_on_loss_and_metrics(megatron_cpu, train):
         assert 0 < want["train/stale_token_fraction"] < 1
     assert lrs[0] > lrs[1] > 0.2 * 1e-2
     exported = dict(meg.named_tensors_for_publication())
-    for name, p in ref.named_tensors_for_publication():
-        torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
+    assert_same_weights(exported, ref.named_tensors_for_publication())
 
 
 ROUTING_COUNTS = ("train/routing_replayed_tokens", "train/routing_unreplayed_tokens",
@@ -179,8 +191,7 @@ def test_qwen3_moe_with_routing_replay_agrees_with_the_torch_trainer(megatron_cp
     assert got["train/routing_agreement"] == pytest.approx(want["train/routing_agreement"])
     exported = dict(meg.named_tensors_for_publication())
     assert "model.layers.1.mlp.experts.gate_up_proj" in exported
-    for name, p in ref.named_tensors_for_publication():
-        torch.testing.assert_close(exported[name], p, rtol=1e-4, atol=1e-4)
+    assert_same_weights(exported, ref.named_tensors_for_publication())
 
 
 # ---- TP2 x PP2 over gloo, four processes ------------------------------------------------
@@ -256,8 +267,7 @@ def test_tp2_pp2_metrics_and_export_match_the_torch_trainer(tmp_path):
     loaded, trained = results[0]["loaded"], results[0]["trained"]
     assert loaded.keys() == initial.keys()
     assert all(torch.equal(loaded[k], initial[k]) for k in initial)
-    for name, p in ref.named_tensors_for_publication():
-        torch.testing.assert_close(trained[name], p, rtol=1e-4, atol=1e-4)  # Adam steps of ~lr = 1e-2
+    assert_same_weights(trained, ref.named_tensors_for_publication())
     from transformers import AutoModelForCausalLM
 
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
