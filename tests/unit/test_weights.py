@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from two_ranks import free_port, run_pair  # tests/ is on the path
+from two_ranks import run_pair  # tests/ is on the path
 
-from rl_async.state.collective import destroy_group, init_custom_process_group
+from rl_async.state.collective import create_store, destroy_group, init_custom_process_group
 from rl_async.state.models import build_causal_lm, tiny_llama_config
 from rl_async.state.weights import (bucket_named_tensors, dtype_name, flatten_bucket,
                               unflatten_bucket, weights_checksum)
@@ -52,19 +52,22 @@ def test_checksum_detects_any_change_and_ignores_order():
     assert weights_checksum(changed) != base
 
 
-def _rank_main(rank: int, port: int, ddp_port: int, queue) -> None:
+def _rank_main(rank: int, queue) -> None:
     torch.set_num_threads(1)
     if rank == 0:
-        _trainer(port, ddp_port, queue)
+        _trainer(queue)
     else:
-        asyncio.run(_engine(port, queue))
+        asyncio.run(_engine(queue))
 
 
-def _trainer(port: int, ddp_port: int, queue) -> None:
+def _trainer(queue) -> None:
     # The trainer already owns a default group (as under DDP); the publication group is extra.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ddp_port}", world_size=1,
-                            rank=0)
-    group = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "pub")
+    # Both without a port picked in advance (another process may take it meanwhile): the
+    # default group in memory, the publication store on a port it binds and then reports.
+    dist.init_process_group("gloo", store=dist.HashStore(), world_size=1, rank=0)
+    store = create_store(60)
+    queue.put(("port", store.port))
+    group = init_custom_process_group("gloo", None, 2, 0, "pub", 60, store=store)
     named = list(build_causal_lm(tiny_llama_config(), seed=11).named_parameters())
     buckets = bucket_named_tensors([(n, t.detach()) for n, t in named], 20_000)
     queue.put(("meta", len(buckets), weights_checksum(named)))
@@ -76,12 +79,13 @@ def _trainer(port: int, ddp_port: int, queue) -> None:
     dist.destroy_process_group()
 
 
-async def _engine(port: int, queue) -> None:
+async def _engine(queue) -> None:
     from rl_async.engine.base import SamplingParams
     from rl_async.engine.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     engine = EmbeddedEngine(EmbeddedEngineConfig(hf_config=tiny_llama_config()))
     before = await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+    _, port = queue.get()
     await engine.init_weights_update_group("127.0.0.1", port, 1, 2, "pub", "gloo")
     await engine.pause_generation("retract")
     _, n_buckets, checksum = queue.get()
@@ -100,9 +104,8 @@ async def _engine(port: int, queue) -> None:
 def test_distributed_bucketed_update_between_two_processes():
     ctx = mp.get_context("spawn")
     to_engine, results = ctx.Queue(), ctx.Queue()
-    port, ddp_port = free_port(), free_port()
-    procs = [ctx.Process(target=_rank_main, args=(0, port, ddp_port, to_engine)),
-             ctx.Process(target=_rank_main, args=(1, port, ddp_port, _Relay(to_engine, results)))]
+    procs = [ctx.Process(target=_rank_main, args=(0, to_engine)),
+             ctx.Process(target=_rank_main, args=(1, _Relay(to_engine, results)))]
     for p in procs:
         p.start()
     try:
