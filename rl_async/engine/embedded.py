@@ -115,9 +115,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
         weights may serve a step: the prompt cache is emptied, the packed linears re-packed
         (running requests are retracted by the caller)."""
         self.prefix_cache.clear()
-        if self._linears is not None:
-            self._late_pack = None  # a staged commit's packing still under way: superseded
-            self._linears.refresh()
+        self._repack_all()
 
     # ---------------------------------------------------------------- requests
     async def generate(self, input_ids: list[int], sampling_params: SamplingParams,
@@ -275,8 +273,7 @@ class EmbeddedEngine(EngineWeightsMixin, Engine):
             self.scheduler.waiting.clear()
             self._batch = None
             self._fail(doomed, EngineError("engine closed while the request was in flight"))
-        if self._check_pool is not None:
-            self._check_pool.shutdown(wait=False)
+        self._close_weights()
 
     def _ensure_loop(self) -> None:
         if self._closed:

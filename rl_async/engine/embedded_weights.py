@@ -43,7 +43,7 @@ import torch
 from rl_async.state import collective
 from rl_async.engine.base import EngineError
 from rl_async.engine.relay import Forwarder, pieces
-from rl_async.engine.staged import BucketCheck, Staged
+from rl_async.engine.staged import BucketCheck, StagedWeights
 from rl_async.state.weights import bucket_nbytes, model_digest, unflatten_bucket
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class EngineWeightsMixin:
         # publication waits in the other until commit.
         self._slots: dict[tuple[str, ...], list[torch.Tensor]] = {}
         self._live: dict[tuple[str, ...], int] = {}
-        self._staged: Staged | None = None
+        self._staged: StagedWeights | None = None
         self.committed_digest: str | None = None  # model digest of the committed version
         self.debug_faults: dict = {}  # fault-injection tests only (EngineActor.debug_fault)
         self._joined: set[str] = set()  # publication channels and links joined
@@ -125,7 +125,7 @@ class EngineWeightsMixin:
             self._group(forward, "stage_weights (relay link)")  # joined, or a clear error
         forwarder = Forwarder(forward)
         count, start = len(buckets), time.perf_counter()
-        staged = Staged(version, digest)
+        staged = StagedWeights(version, digest)
         checks: list[asyncio.Future] = []
         try:
             for i, (names, dtypes, shapes, *_rest) in enumerate(buckets):
@@ -230,7 +230,7 @@ class EngineWeightsMixin:
         self._in_check_thread(replaced.clear)
         return {"pause_seconds": pause}
 
-    def _commit_packed(self, staged: Staged, changed: set[int]) -> list:
+    def _commit_packed(self, staged: StagedWeights, changed: set[int]) -> list:
         """Install the packed linears of the new weights (under the step lock). The ones
         whose bytes came last may still be packing (`staged.late`): rather than hold the
         new version back for them, those linears run on the stock kernel over their new
@@ -245,6 +245,17 @@ class EngineWeightsMixin:
         if late is not None:
             self._late_task = asyncio.ensure_future(self._install_late(late))
         return self._linears.install(staged.packed, changed)
+
+    def _repack_all(self) -> None:
+        """After a direct weight load: every linear packed from the parameters as they are
+        now; a staged commit's packing still under way is superseded."""
+        if self._linears is not None:
+            self._late_pack = None
+            self._linears.refresh()
+
+    def _close_weights(self) -> None:
+        if self._check_pool is not None:
+            self._check_pool.shutdown(wait=False)
 
     async def _install_late(self, late: asyncio.Future) -> None:
         begun = time.perf_counter()

@@ -13,7 +13,7 @@ from rl_async.state.weights import Fingerprint, unflatten_bucket
 
 
 @dataclass
-class Staged:
+class StagedWeights:
     """One staged publication: what commit_weights installs."""
     version: int
     digest: str
@@ -30,7 +30,7 @@ class BucketCheck:
     the fingerprint against the trainer's. A bucket that fails any of them is never
     committed (its packed copies are dropped with the staging)."""
 
-    def __init__(self, engine, staged: Staged, i: int, count: int, flat: torch.Tensor,
+    def __init__(self, engine, staged: StagedWeights, i: int, count: int, flat: torch.Tensor,
                  meta: tuple, want: str):
         self.engine, self.staged, self.i, self.want = engine, staged, i, want
         self.where = f"bucket {i + 1}/{count}"
